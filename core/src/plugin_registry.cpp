@@ -1,0 +1,280 @@
+#include "fusebox/core/plugin_registry.h"
+
+#include <elf.h>
+#include <sys/stat.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <boost/dll/shared_library.hpp>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "fusebox/core/suggest.h"
+
+namespace fusebox {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kPluginSubdir = "lib/fusebox/plugins";
+
+#if defined(__x86_64__)
+constexpr uint16_t kHostMachine = EM_X86_64;
+#elif defined(__aarch64__)
+constexpr uint16_t kHostMachine = EM_AARCH64;
+#elif defined(__powerpc64__)
+constexpr uint16_t kHostMachine = EM_PPC64;
+#else
+constexpr uint16_t kHostMachine = 0;  // unknown host: let the dynamic loader decide
+#endif
+
+// "1.13.1" -> "1.13": plugins must match the host's LibTorch major.minor (its C++ ABI).
+std::string major_minor(const std::string& v) {
+  size_t first = v.find('.');
+  if (first == std::string::npos) return v;
+  size_t second = v.find('.', first + 1);
+  return v.substr(0, second);
+}
+
+// Refuses a file, or its folder, that someone other than the owner could replace.
+void check_permissions(const fs::path& path, bool allow_insecure) {
+  if (allow_insecure) return;
+  for (const fs::path& p : {path, path.parent_path()}) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) continue;
+    if (st.st_mode & (S_IWGRP | S_IWOTH)) {
+      // A sticky folder (like /tmp) still lets others replace only their own files.
+      if (p != path && (st.st_mode & S_ISVTX)) continue;
+      throw Error("refusing to load plugin " + path.string() + ": " + p.string() +
+                  " is writable by group or others (fix with chmod go-w, or pass "
+                  "--allow-insecure-plugins)");
+    }
+  }
+}
+
+// Checks the ELF header ourselves: the loader's messages for non-ELF files are cryptic.
+void check_elf(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("cannot read plugin " + path.string() + ": permission denied or unreadable");
+  unsigned char header[EI_NIDENT + 4] = {};
+  in.read(reinterpret_cast<char*>(header), sizeof(header));
+  if (in.gcount() < static_cast<std::streamsize>(sizeof(header)) ||
+      std::memcmp(header, ELFMAG, SELFMAG) != 0)
+    throw Error("plugin " + path.string() +
+                " is not a shared library (no ELF header); pass a .so built with the fusebox SDK");
+  if (header[EI_CLASS] != ELFCLASS64)
+    throw Error("plugin " + path.string() + " is a 32-bit ELF file; this host needs 64-bit");
+  uint16_t machine = 0;
+  std::memcpy(&machine, header + EI_NIDENT + 2, sizeof(machine));  // e_machine follows e_type
+  if (kHostMachine != 0 && header[EI_DATA] == ELFDATA2LSB && machine != kHostMachine)
+    throw Error("plugin " + path.string() + " is built for another architecture (ELF machine " +
+                std::to_string(machine) + ", this host is " + std::to_string(kHostMachine) +
+                "); rebuild it on this machine");
+}
+
+}  // namespace
+
+std::string PluginInfo::capability_names() const {
+  std::string out;
+  if (capabilities & kSupportsStepParam) out += "supports_step_param";
+  if (capabilities & kAutoLr) out += std::string(out.empty() ? "" : ",") + "auto_lr";
+  return out.empty() ? "none" : out;
+}
+
+fs::path executable_dir() {
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? fs::path() : exe.parent_path();
+}
+
+// ---------------------------------------------------------------------------------------------
+LoadedPlugin::LoadedPlugin(std::shared_ptr<void> library, const PluginDescriptor* descriptor,
+                           PluginInfo info)
+    : library_(std::move(library)), descriptor_(descriptor), info_(std::move(info)) {
+  try {
+    descriptor_->declare_schema(schema_);
+  } catch (const std::exception& e) {
+    throw Error("plugin " + info_.path.string() + " failed to declare its schema: " + e.what());
+  }
+}
+
+HyperParams LoadedPlugin::validate(const UserArgs& args) const {
+  return validate_hyperparams(schema_, info_.name, args);
+}
+
+std::shared_ptr<Optimizer> LoadedPlugin::create(std::vector<ParamGroup> groups,
+                                                const HyperParams& hp) const {
+  std::unique_ptr<Optimizer> made;
+  try {
+    made = descriptor_->create(std::move(groups), hp);
+  } catch (const std::exception& e) {
+    throw Error("plugin '" + info_.name + "' (" + info_.path.string() +
+                ") failed to create its optimizer: " + e.what());
+  }
+  if (!made)
+    throw Error("plugin '" + info_.name + "' (" + info_.path.string() +
+                ") returned no optimizer from its factory");
+  // The deleter holds the library: the object's code stays mapped until it is destroyed.
+  std::shared_ptr<void> lib = library_;
+  return std::shared_ptr<Optimizer>(made.release(), [lib](Optimizer* p) { delete p; });
+}
+
+// ---------------------------------------------------------------------------------------------
+PluginRegistry::PluginRegistry(LoaderOptions options) : options_(std::move(options)) {}
+
+std::vector<fs::path> PluginRegistry::search_path() const {
+  std::vector<fs::path> out = options_.plugin_dirs;
+  if (options_.use_environment) {
+    if (const char* env = std::getenv("FUSEBOX_PLUGIN_PATH")) {
+      std::stringstream ss(env);
+      std::string item;
+      while (std::getline(ss, item, ':'))
+        if (!item.empty()) out.emplace_back(item);
+    }
+  }
+  if (options_.use_default_dir) {
+    fs::path exe = executable_dir();
+    if (!exe.empty()) out.push_back((exe / ".." / kPluginSubdir).lexically_normal());
+  }
+  return out;
+}
+
+std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw Error("plugin file " + path.string() + " does not exist");
+  if (!fs::is_regular_file(path, ec))
+    throw Error("plugin " + path.string() + " is not a regular file");
+  const fs::path canonical = fs::canonical(path, ec);
+  const std::string key = (ec ? path : canonical).string();
+  if (auto it = cache_.find(key); it != cache_.end()) return it->second;
+
+  check_permissions(canonical, options_.allow_insecure);
+  check_elf(canonical);
+
+  auto library = std::make_shared<boost::dll::shared_library>();
+  try {
+    // rtld_now: a missing symbol fails here, with the dynamic loader's text, not mid-training.
+    library->load(canonical.string(),
+                  boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
+  } catch (const std::exception& e) {
+    throw Error("cannot load plugin " + path.string() + ": " + e.what());
+  }
+  if (!library->has(FUSEBOX_PLUGIN_ENTRY_NAME))
+    throw Error("plugin " + path.string() + " has no " FUSEBOX_PLUGIN_ENTRY_NAME
+                " entry point: it is not a fusebox plugin (export one with FUSEBOX_PLUGIN)");
+  using Entry = const PluginDescriptor*();
+  const PluginDescriptor* d = nullptr;
+  try {
+    d = library->get<Entry>(FUSEBOX_PLUGIN_ENTRY_NAME)();
+  } catch (const std::exception& e) {
+    throw Error("plugin " + path.string() + ": its entry point threw: " + e.what());
+  }
+  if (!d) throw Error("plugin " + path.string() + ": its entry point returned no descriptor");
+
+  // Version first: nothing past api_minor may be read before the layout is known to match.
+  const std::string host_api =
+      std::to_string(FUSEBOX_API_MAJOR) + "." + std::to_string(FUSEBOX_API_MINOR);
+  const std::string plugin_api = std::to_string(d->api_major) + "." + std::to_string(d->api_minor);
+  if (d->api_major != FUSEBOX_API_MAJOR)
+    throw Error("plugin " + path.string() + " uses plugin API " + plugin_api +
+                " but this fusebox implements API " + host_api +
+                ": rebuild the plugin against this fusebox SDK");
+  if (d->api_minor > FUSEBOX_API_MINOR)
+    throw Error("plugin " + path.string() + " needs plugin API " + plugin_api +
+                ", newer than this fusebox's " + host_api + ": upgrade fusebox");
+  if (d->struct_size < sizeof(PluginDescriptor))
+    throw Error("plugin " + path.string() + " has a truncated descriptor (" +
+                std::to_string(d->struct_size) + " bytes, expected " +
+                std::to_string(sizeof(PluginDescriptor)) + "): rebuild it against this SDK");
+  const std::string torch_version = d->torch_version ? d->torch_version : "";
+  if (major_minor(torch_version) != major_minor(TORCH_VERSION))
+    throw Error("plugin " + path.string() + " was built against LibTorch " +
+                (torch_version.empty() ? "(unknown)" : torch_version) +
+                " but fusebox runs LibTorch " TORCH_VERSION
+                ": rebuild the plugin against the same LibTorch");
+  if (!d->name || !*d->name || !d->create || !d->declare_schema)
+    throw Error("plugin " + path.string() + " has an incomplete descriptor (name, schema or factory"
+                " missing)");
+
+  PluginInfo info;
+  info.name = d->name;
+  info.version = d->version ? d->version : "";
+  info.description = d->description ? d->description : "";
+  info.torch_version = torch_version;
+  info.path = canonical;
+  info.capabilities = d->capabilities;
+  info.api_major = d->api_major;
+  info.api_minor = d->api_minor;
+  auto plugin = std::make_shared<LoadedPlugin>(std::shared_ptr<void>(library), d, std::move(info));
+  cache_[key] = plugin;
+  return plugin;
+}
+
+std::shared_ptr<LoadedPlugin> PluginRegistry::load_file(const std::string& spec) {
+  if (spec.find('/') != std::string::npos) return load_path(spec);
+  std::vector<std::string> seen;
+  for (const fs::path& dir : search_path()) {
+    fs::path candidate = dir / spec;
+    std::error_code ec;
+    if (fs::exists(candidate, ec)) return load_path(candidate);
+    for (const auto& entry : fs::directory_iterator(dir, ec))
+      if (entry.path().extension() == ".so") seen.push_back(entry.path().filename().string());
+  }
+  std::string dirs;
+  for (const fs::path& d : search_path()) dirs += (dirs.empty() ? "" : ", ") + d.string();
+  throw Error("plugin file " + spec + " not found in the plugin search path (" + dirs + ")" +
+              did_you_mean(spec, seen) + "; pass a path or add --plugin-dir");
+}
+
+std::vector<std::shared_ptr<LoadedPlugin>> PluginRegistry::list(std::vector<BrokenPlugin>* broken) {
+  std::map<std::string, std::shared_ptr<LoadedPlugin>> by_name;
+  std::set<fs::path> visited_dirs;
+  for (const fs::path& dir : search_path()) {
+    std::error_code ec;
+    fs::path canon_dir = fs::weakly_canonical(dir, ec);
+    if (!visited_dirs.insert(ec ? dir : canon_dir).second) continue;  // same folder twice
+    std::vector<fs::path> files;
+    for (const auto& entry : fs::directory_iterator(dir, ec))
+      if (entry.path().extension() == ".so") files.push_back(entry.path());
+    std::sort(files.begin(), files.end());
+    for (const fs::path& file : files) {
+      std::shared_ptr<LoadedPlugin> p;
+      try {
+        p = load_path(file);
+      } catch (const Error& e) {
+        if (broken) broken->push_back({file, e.what()});
+        continue;
+      }
+      auto [it, inserted] = by_name.emplace(p->info().name, p);
+      if (!inserted && it->second->info().path != p->info().path)
+        throw Error("two plugins are named '" + p->info().name + "': " +
+                    it->second->info().path.string() + " and " + p->info().path.string() +
+                    "; remove one or load it by path with --optimizer-plugin");
+    }
+  }
+  std::vector<std::shared_ptr<LoadedPlugin>> out;
+  for (auto& kv : by_name) out.push_back(kv.second);
+  return out;
+}
+
+std::shared_ptr<LoadedPlugin> PluginRegistry::load_by_name(const std::string& name) {
+  std::vector<BrokenPlugin> broken;
+  std::vector<std::string> names;
+  for (const auto& p : list(&broken)) {
+    if (p->info().name == name) return p;
+    names.push_back(p->info().name);
+  }
+  std::string msg = "no plugin named '" + name + "' in the plugin search path" +
+                    did_you_mean(name, names) + "; see trainer --list-plugins";
+  if (!broken.empty())
+    msg += " (" + std::to_string(broken.size()) + " file(s) could not be loaded, e.g. " +
+           broken.front().error + ")";
+  throw Error(msg);
+}
+
+}  // namespace fusebox

@@ -1,0 +1,210 @@
+// fusebox SDK: the optimizer interface every plugin implements, in the spirit of torch::optim.
+//
+// An optimizer owns parameter groups (tensors + names + a learning rate) and per-parameter state.
+// A per-parameter algorithm overrides only `update_param`; the base then provides both `step()`
+// and `step_param()` through that one function, so the two are identical by construction.
+// An algorithm that needs all gradients at once (auto-LR) overrides `step()` instead.
+// State is saved and loaded keyed by parameter name, so it survives regrouping.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "fusebox/error.h"
+#include "fusebox/hyperparams.h"
+
+namespace fusebox {
+
+/// Parameters optimized together with one learning rate.
+struct ParamGroup {
+  std::vector<at::Tensor> params;   ///< leaf tensors with requires_grad
+  std::vector<std::string> names;   ///< one unique name per param (empty: "g<i>.p<j>" are made up)
+  double lr = std::numeric_limits<double>::quiet_NaN();  ///< NaN: use the "lr" hyperparameter
+};
+
+/// Per-parameter state: a step count and named tensors (moments, factored statistics, ...).
+struct ParamState {
+  int64_t step = 0;                          ///< updates applied to this parameter so far
+  std::map<std::string, at::Tensor> tensors; ///< named state tensors
+  /// The state tensor `key` (undefined until assigned).
+  at::Tensor& operator[](const std::string& key) { return tensors[key]; }
+};
+
+/// A flat, name-keyed snapshot of optimizer state: "<param>/<key>" and "@optimizer/<key>".
+using StateDict = std::map<std::string, at::Tensor>;
+
+/// The interface a plugin's optimizer implements.
+class FUSEBOX_VISIBLE Optimizer {
+ public:
+  /// Takes the groups and validated hyperparameters (a group's NaN lr becomes hyperparameter lr).
+  Optimizer(std::vector<ParamGroup> groups, HyperParams hyperparams)
+      : groups_(std::move(groups)), hp_(std::move(hyperparams)) {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      ParamGroup& group = groups_[g];
+      if (std::isnan(group.lr)) group.lr = hp_.is_set("lr") ? hp_.real("lr") : 0.0;
+      if (group.names.empty())
+        for (size_t i = 0; i < group.params.size(); ++i)
+          group.names.push_back("g" + std::to_string(g) + ".p" + std::to_string(i));
+      if (group.names.size() != group.params.size())
+        throw Error("parameter group " + std::to_string(g) + " has " +
+                    std::to_string(group.params.size()) + " tensors but " +
+                    std::to_string(group.names.size()) + " names");
+      states_.emplace_back(group.params.size());
+      for (size_t i = 0; i < group.params.size(); ++i) {
+        if (!slots_.emplace(group.params[i].unsafeGetTensorImpl(), Slot{g, i}).second)
+          throw Error("parameter '" + group.names[i] + "' appears twice in the optimizer");
+      }
+    }
+  }
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  /// Updates every parameter that has a gradient, then runs finish_step(). Overrides must
+  /// disable grad mode themselves (at::NoGradGuard).
+  virtual void step() {
+    at::NoGradGuard no_grad;
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t i = 0; i < groups_[g].params.size(); ++i)
+        if (groups_[g].params[i].grad().defined())
+          update_param(groups_[g].params[i], states_[g][i], g);
+    finish_step();
+  }
+
+  /// Updates one parameter from its gradient (needs the supports_step_param capability).
+  void step_param(const at::Tensor& param) {
+    Slot s = locate(param);
+    if (!param.grad().defined()) return;
+    at::NoGradGuard no_grad;
+    update_param(groups_[s.group].params[s.index], states_[s.group][s.index], s.group);
+  }
+
+  /// Runs after the last parameter of a step (for algorithms with a phase after all updates).
+  virtual void finish_step() {}
+
+  /// Clears gradients: frees them (set_to_none) or zeroes them in place.
+  void zero_grad(bool set_to_none = true) {
+    for (auto& group : groups_)
+      for (auto& p : group.params) {
+        if (!p.grad().defined()) continue;
+        if (set_to_none) {
+          p.mutable_grad().reset();
+        } else {
+          p.mutable_grad().detach_();
+          p.mutable_grad().zero_();
+        }
+      }
+  }
+
+  /// Number of parameter groups.
+  size_t num_groups() const { return groups_.size(); }
+  /// Group `g` (parameters, names, lr).
+  const ParamGroup& group(size_t g) const { return groups_.at(g); }
+  /// The learning rate of group `g`, as a scheduler sets it.
+  double lr(size_t g) const { return groups_.at(g).lr; }
+  /// Sets the learning rate of group `g` (schedulers call this).
+  void set_lr(size_t g, double lr) { groups_.at(g).lr = lr; }
+  /// The step size actually applied in group `g` (Adafactor's alpha, auto-LR's d*lr).
+  virtual double effective_lr(size_t g) const { return lr(g); }
+  /// The validated hyperparameters this optimizer was built with.
+  const HyperParams& hyperparams() const { return hp_; }
+  /// True when `param` belongs to this optimizer.
+  bool owns(const at::Tensor& param) const {
+    return slots_.count(param.unsafeGetTensorImpl()) != 0;
+  }
+
+  /// Snapshot of all state, keyed by parameter name; tensors alias the live state.
+  StateDict state_dict() const {
+    StateDict out;
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t i = 0; i < groups_[g].params.size(); ++i) {
+        const ParamState& st = states_[g][i];
+        if (st.step == 0 && st.tensors.empty()) continue;
+        const std::string& name = groups_[g].names[i];
+        out[name + "/step"] = scalar_tensor_(static_cast<double>(st.step));
+        for (const auto& kv : st.tensors)
+          if (kv.second.defined()) out[name + "/" + kv.first] = kv.second;
+      }
+    for (const auto& kv : globals_) out["@optimizer/" + kv.first] = scalar_tensor_(kv.second);
+    return out;
+  }
+
+  /// Restores the entries of `dict` that belong to this optimizer's parameters (others are
+  /// ignored, so a dict saved with other grouping loads group by group); state tensors are copied
+  /// onto each parameter's device.
+  void load_state_dict(const StateDict& dict) {
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t i = 0; i < groups_[g].params.size(); ++i) {
+        const std::string prefix = groups_[g].names[i] + "/";
+        ParamState fresh;
+        auto it = dict.lower_bound(prefix);
+        for (; it != dict.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+          const std::string key = it->first.substr(prefix.size());
+          if (key == "step")
+            fresh.step = static_cast<int64_t>(scalar_value_(it->second));
+          else
+            fresh.tensors[key] = copy_to_(it->second, groups_[g].params[i]);
+        }
+        states_[g][i] = std::move(fresh);
+      }
+    const std::string gp = "@optimizer/";
+    for (auto it = dict.lower_bound(gp); it != dict.end() && it->first.rfind(gp, 0) == 0; ++it)
+      globals_[it->first.substr(gp.size())] = scalar_value_(it->second);
+  }
+
+ protected:
+  /// The per-parameter algorithm: update `param` in place from `param.grad()`, using `state` and
+  /// group `group`'s lr. Called with grad mode off. Per-parameter plugins override this.
+  virtual void update_param(const at::Tensor& param, ParamState& state, size_t group) {
+    (void)param, (void)state, (void)group;
+    throw Error("this optimizer cannot update one parameter at a time (no supports_step_param)");
+  }
+
+  /// State of parameter `i` in group `g`.
+  ParamState& state(size_t g, size_t i) { return states_.at(g).at(i); }
+  /// Global scalar state saved with the optimizer (e.g. auto-LR's d); keep empty if unused.
+  std::map<std::string, double>& globals() { return globals_; }
+  /// Global scalar state, read-only.
+  const std::map<std::string, double>& globals() const { return globals_; }
+  /// Mutable access to groups, for algorithms overriding step().
+  std::vector<ParamGroup>& groups() { return groups_; }
+
+ private:
+  struct Slot {
+    size_t group, index;
+  };
+  Slot locate(const at::Tensor& param) const {
+    auto it = slots_.find(param.unsafeGetTensorImpl());
+    if (it == slots_.end()) throw Error("step_param: tensor is not a parameter of this optimizer");
+    return it->second;
+  }
+  static at::Tensor scalar_tensor_(double v);
+  static double scalar_value_(const at::Tensor& t);
+  static at::Tensor copy_to_(const at::Tensor& t, const at::Tensor& like);
+
+  std::vector<ParamGroup> groups_;
+  HyperParams hp_;
+  std::vector<std::vector<ParamState>> states_;
+  std::unordered_map<const void*, Slot> slots_;
+  std::map<std::string, double> globals_;
+};
+
+}  // namespace fusebox
+
+inline at::Tensor fusebox::Optimizer::scalar_tensor_(double v) {
+  return at::scalar_tensor(v, at::TensorOptions().dtype(at::kDouble));
+}
+inline double fusebox::Optimizer::scalar_value_(const at::Tensor& t) {
+  return t.to(at::kCPU, at::kDouble).item<double>();
+}
+inline at::Tensor fusebox::Optimizer::copy_to_(const at::Tensor& t, const at::Tensor& like) {
+  return t.to(like.device(), /*non_blocking=*/false, /*copy=*/true);
+}

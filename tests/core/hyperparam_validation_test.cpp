@@ -1,0 +1,83 @@
+// Schema validation: unknown keys, types, ranges and rules each give one line naming plugin+key.
+#include <gtest/gtest.h>
+
+#include "fusebox/core/hyperparam_validation.h"
+
+using namespace fusebox;
+
+namespace {
+Schema make_schema() {
+  Schema s;
+  s.real("lr", std::monostate{}, "learning rate").above(0).allow_none();
+  s.real_pair("betas", {0.9, 0.999}, "betas").at_least(0).below(1);
+  s.integer("slice_p", 1, "slice").at_least(1);
+  s.flag("nesterov", false, "nesterov");
+  s.choice("mode", "fast", {"fast", "slow"}, "mode");
+  s.rule("nesterov,lr", [](const HyperParams& h) -> std::string {
+    return h.flag("nesterov") && !h.is_set("lr") ? "nesterov needs lr" : "";
+  });
+  return s;
+}
+UserArgs cli(std::map<std::string, std::string> kv) {
+  UserArgs a;
+  for (auto& [k, v] : kv) a[k] = UserArg{std::monostate{}, v, "--optimizer-args"};
+  return a;
+}
+std::string error_of(const UserArgs& a) {
+  try {
+    validate_hyperparams(make_schema(), "demo", a);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(HyperparamValidation, DefaultsAreFilledIn) {
+  HyperParams h = validate_hyperparams(make_schema(), "demo", {});
+  EXPECT_FALSE(h.is_set("lr"));
+  EXPECT_EQ(h.real_pair("betas").second, 0.999);
+  EXPECT_EQ(h.integer("slice_p"), 1);
+  EXPECT_EQ(h.text("mode"), "fast");
+}
+
+TEST(HyperparamValidation, ParsesCommandLineText) {
+  HyperParams h = validate_hyperparams(
+      make_schema(), "demo",
+      cli({{"lr", "1e-3"}, {"betas", "(0.8, 0.99)"}, {"slice_p", "11"}, {"nesterov", "true"}}));
+  EXPECT_DOUBLE_EQ(h.real("lr"), 1e-3);
+  EXPECT_DOUBLE_EQ(h.real_pair("betas").first, 0.8);
+  EXPECT_EQ(h.integer("slice_p"), 11);
+  EXPECT_TRUE(h.flag("nesterov"));
+}
+
+TEST(HyperparamValidation, TypedValuesFromTomlWidenIntsToDoubles) {
+  UserArgs a;
+  a["lr"] = UserArg{int64_t{1}, "", "run.toml:3:1"};
+  EXPECT_DOUBLE_EQ(validate_hyperparams(make_schema(), "demo", a).real("lr"), 1.0);
+  a["slice_p"] = UserArg{2.5, "", "run.toml:4:1"};
+  try {
+    validate_hyperparams(make_schema(), "demo", a);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "run.toml:4:1: demo: hyperparameter 'slice_p': expected integer, got 2.5");
+  }
+}
+
+TEST(HyperparamValidation, UnknownKeySuggestsNearest) {
+  std::string m = error_of(cli({{"beta", "(0.9,0.9)"}}));
+  EXPECT_NE(m.find("demo: unknown hyperparameter 'beta' (did you mean 'betas'?)"), std::string::npos)
+      << m;
+}
+
+TEST(HyperparamValidation, WrongTypeOutOfRangeEnumAndRule) {
+  EXPECT_NE(error_of(cli({{"lr", "fast"}})).find("'lr': 'fast' is not a number"), std::string::npos);
+  EXPECT_NE(error_of(cli({{"lr", "-1"}})).find("'lr': -1 is outside (0, inf]"), std::string::npos);
+  EXPECT_NE(error_of(cli({{"betas", "(0.9,1.0)"}})).find("each value must be in [0, 1)"),
+            std::string::npos);
+  EXPECT_NE(error_of(cli({{"slice_p", "0"}})).find("'slice_p'"), std::string::npos);
+  EXPECT_NE(error_of(cli({{"mode", "fsat"}})).find("did you mean 'fast'"), std::string::npos);
+  EXPECT_NE(error_of(cli({{"nesterov", "true"}})).find("(nesterov,lr): nesterov needs lr"),
+            std::string::npos);
+  EXPECT_NE(error_of(cli({{"slice_p", "none"}})).find("none is not allowed"), std::string::npos);
+}

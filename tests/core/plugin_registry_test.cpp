@@ -1,0 +1,202 @@
+// Loader and registry: every failure mode gives one line naming the file and the cause.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <fstream>
+
+#include "fusebox/core/plugin_registry.h"
+
+namespace fs = std::filesystem;
+using fusebox::Error;
+using fusebox::LoaderOptions;
+using fusebox::PluginRegistry;
+
+namespace {
+
+LoaderOptions only(std::vector<fs::path> dirs) {
+  LoaderOptions o;
+  o.plugin_dirs = std::move(dirs);
+  o.use_environment = false;
+  o.use_default_dir = false;
+  return o;
+}
+
+// Runs `f`, expects fusebox::Error, returns its message.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected fusebox::Error";
+  return "";
+}
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("fusebox_test_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  fs::permissions(d, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                         fs::perms::others_read | fs::perms::others_exec);
+  return d;
+}
+
+const fs::path kPlugins = FUSEBOX_PLUGIN_DIR;
+const fs::path kTestPlugins = FUSEBOX_TEST_PLUGIN_DIR;
+
+}  // namespace
+
+TEST(PluginRegistry, LoadsByPathFileNameAndName) {
+  PluginRegistry reg(only({kPlugins}));
+  auto by_path = reg.load_file((kPlugins / "sgd.so").string());
+  EXPECT_EQ(by_path->info().name, "sgd");
+  EXPECT_TRUE(by_path->has(fusebox::kSupportsStepParam));
+  EXPECT_FALSE(by_path->has(fusebox::kAutoLr));
+  auto by_file = reg.load_file("sgd.so");
+  EXPECT_EQ(by_file->info().path, by_path->info().path);
+  auto by_name = reg.load_by_name("sgd");
+  EXPECT_EQ(by_name->info().path, by_path->info().path);
+  EXPECT_EQ(by_path->info().capability_names(), "supports_step_param");
+}
+
+TEST(PluginRegistry, DefaultDirIsBesideTheProgramAndCwdIsNotSearched) {
+  LoaderOptions o;
+  o.use_environment = false;
+  PluginRegistry reg(o);
+  auto path = reg.search_path();
+  ASSERT_EQ(path.size(), 1u);
+  EXPECT_EQ(fs::canonical(path[0]), fs::canonical(kPlugins));
+  // A plugin copied into the current directory is not found by file name.
+  fs::path dir = temp_dir("cwd");
+  fs::copy_file(kPlugins / "sgd.so", dir / "cwd_only.so");
+  fs::path old = fs::current_path();
+  fs::current_path(dir);
+  std::string msg = error_of([&] { reg.load_file("cwd_only.so"); });
+  fs::current_path(old);
+  EXPECT_NE(msg.find("not found in the plugin search path"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, EnvironmentPathIsSearchedAfterPluginDirs) {
+  ::setenv("FUSEBOX_PLUGIN_PATH", (kTestPlugins / "duplicate").c_str(), 1);
+  LoaderOptions o;
+  o.plugin_dirs = {kTestPlugins};
+  PluginRegistry reg(o);
+  auto path = reg.search_path();
+  ::unsetenv("FUSEBOX_PLUGIN_PATH");
+  ASSERT_EQ(path.size(), 3u);
+  EXPECT_EQ(path[0], kTestPlugins);
+  EXPECT_EQ(path[1], kTestPlugins / "duplicate");
+}
+
+TEST(PluginRegistry, MissingFile) {
+  PluginRegistry reg(only({kPlugins}));
+  std::string msg = error_of([&] { reg.load_file("/nonexistent/dir/x.so"); });
+  EXPECT_NE(msg.find("/nonexistent/dir/x.so does not exist"), std::string::npos) << msg;
+  msg = error_of([&] { reg.load_file("sdg.so"); });
+  EXPECT_NE(msg.find("did you mean 'sgd.so'"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, TextFileNamedSo) {
+  fs::path dir = temp_dir("text");
+  std::ofstream(dir / "fake.so") << "this is not a library\n";
+  PluginRegistry reg(only({}));
+  std::string msg = error_of([&] { reg.load_file((dir / "fake.so").string()); });
+  EXPECT_NE(msg.find("fake.so is not a shared library"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, ElfForAnotherArchitecture) {
+  fs::path dir = temp_dir("arch");
+  // A 64-bit little-endian ELF header claiming to be for a different machine than this one.
+  unsigned char h[64] = {0x7f, 'E', 'L', 'F', 2, 1, 1};
+  h[16] = 3;  // ET_DYN
+  h[18] = 0xb7 == 62 ? 62 : 0xb7;  // EM_AARCH64 (183) on x86-64 hosts
+#if defined(__aarch64__)
+  h[18] = 62;  // EM_X86_64 on arm hosts
+#endif
+  std::ofstream(dir / "foreign.so", std::ios::binary).write(reinterpret_cast<char*>(h), sizeof(h));
+  PluginRegistry reg(only({}));
+  std::string msg = error_of([&] { reg.load_file((dir / "foreign.so").string()); });
+  EXPECT_NE(msg.find("built for another architecture"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, NoEntryPoint) {
+  PluginRegistry reg(only({}));
+  std::string msg = error_of([&] { reg.load_file((kTestPlugins / "tp_no_entry.so").string()); });
+  EXPECT_NE(msg.find("tp_no_entry.so has no fusebox_plugin_entry"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, ApiMajorMismatch) {
+  PluginRegistry reg(only({}));
+  std::string msg = error_of([&] { reg.load_file((kTestPlugins / "tp_api_major.so").string()); });
+  EXPECT_NE(msg.find("uses plugin API 2.0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rebuild the plugin"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, ApiMinorNewerThanHost) {
+  PluginRegistry reg(only({}));
+  std::string msg = error_of([&] { reg.load_file((kTestPlugins / "tp_api_minor.so").string()); });
+  EXPECT_NE(msg.find("needs plugin API 1.1"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, TorchVersionMismatch) {
+  PluginRegistry reg(only({}));
+  std::string msg =
+      error_of([&] { reg.load_file((kTestPlugins / "tp_torch_mismatch.so").string()); });
+  EXPECT_NE(msg.find("built against LibTorch 0.4.1"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, DuplicateNamesAreRefusedNamingBothPaths) {
+  PluginRegistry reg(only({kPlugins, kTestPlugins / "duplicate"}));
+  std::string msg = error_of([&] { reg.load_by_name("sgd"); });
+  EXPECT_NE(msg.find("two plugins are named 'sgd'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("sgd.so"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tp_duplicate_sgd.so"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, FactoryThrows) {
+  PluginRegistry reg(only({}));
+  auto plugin = reg.load_file((kTestPlugins / "tp_factory_throws.so").string());
+  auto hp = plugin->validate({});
+  std::string msg = error_of([&] { plugin->create({}, hp); });
+  EXPECT_NE(msg.find("plugin 'factory_throws'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("factory refuses to build"), std::string::npos) << msg;
+}
+
+TEST(PluginRegistry, ListReportsBrokenFilesSeparately) {
+  PluginRegistry reg(only({kTestPlugins}));
+  std::vector<fusebox::BrokenPlugin> broken;
+  auto plugins = reg.list(&broken);
+  EXPECT_GE(broken.size(), 4u);  // no entry, api major/minor, torch version
+  bool found = false;
+  for (auto& p : plugins) found = found || p->info().name == "lion_custom";
+  EXPECT_TRUE(found);
+}
+
+TEST(PluginRegistry, WritableByOthersIsRefusedUnlessAllowed) {
+  fs::path dir = temp_dir("insecure");
+  fs::copy_file(kPlugins / "sgd.so", dir / "sgd.so");
+  fs::permissions(dir / "sgd.so", fs::perms::others_write, fs::perm_options::add);
+  PluginRegistry strict(only({}));
+  std::string msg = error_of([&] { strict.load_file((dir / "sgd.so").string()); });
+  EXPECT_NE(msg.find("writable by group or others"), std::string::npos) << msg;
+  LoaderOptions lax = only({});
+  lax.allow_insecure = true;
+  PluginRegistry relaxed(lax);
+  EXPECT_EQ(relaxed.load_file((dir / "sgd.so").string())->info().name, "sgd");
+}
+
+TEST(PluginRegistry, OptimizerKeepsLibraryAliveAfterRegistryAndPluginAreGone) {
+  std::shared_ptr<fusebox::Optimizer> opt;
+  at::Tensor w = at::ones({3}).set_requires_grad(true);
+  {
+    PluginRegistry reg(only({kPlugins}));
+    auto plugin = reg.load_file("sgd.so");
+    fusebox::ParamGroup g;
+    g.params = {w};
+    opt = plugin->create({g}, plugin->validate({}));
+  }
+  w.mutable_grad() = at::ones({3});
+  opt->step();  // virtual call into the plugin: its code must still be mapped
+  EXPECT_NEAR(w[0].item<float>(), 1.0f - 1e-3f, 1e-7);
+}
