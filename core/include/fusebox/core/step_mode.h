@@ -1,0 +1,105 @@
+// How a training iteration turns gradients into parameter updates.
+//
+// Three modes share one interface, so a training loop is the same for all of them:
+//
+//   auto mode = fusebox::make_fused_backward(optimizer, options);   // or normal / groups
+//   for (...) {
+//     at::Tensor loss = model(batch);
+//     mode->backward(loss);   // fused/groups: parameters are updated in here, grads freed
+//     mode->step();           // normal: clip + step + free grads; fused/groups: finish iteration
+//     scheduler.step();
+//   }
+//
+// Normal: backward, then (optionally) clip, check, step every parameter, free every gradient.
+// Fused backward: a hook on each parameter runs right after its gradient is accumulated:
+//   per-tensor clipping, a non-finite check, step_param, then the gradient is freed.
+// Optimizer groups: N plugin instances over contiguous slices of the parameters; a group steps
+//   and frees its gradients when its last gradient has been accumulated.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fusebox/optimizer.h"
+
+namespace fusebox {
+
+/// What to do when a gradient is NaN or infinite.
+enum class NonFinitePolicy {
+  Stop,  ///< throw NonFiniteError before any parameter takes a non-finite value
+  Skip,  ///< normal mode only: drop this iteration's update and go on
+};
+
+/// Options common to all modes.
+struct StepOptions {
+  double max_grad_norm = 0;            ///< > 0: clip gradients by norm (0 turns clipping off)
+  bool clip_per_tensor = false;        ///< normal mode: clip each tensor alone (fused/groups always do)
+  NonFinitePolicy non_finite = NonFinitePolicy::Stop;  ///< reaction to NaN/Inf gradients
+  bool track_grad_bytes = false;       ///< record peak live gradient bytes (costly: for tests)
+  /// Receives warnings (e.g. a parameter that got no gradient); default prints to stderr.
+  std::function<void(const std::string&)> warn;
+};
+
+/// Thrown when a gradient is not finite and the policy is Stop.
+class FUSEBOX_VISIBLE NonFiniteError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Statistics of the last iteration, gathered for free where the mode sees the gradients.
+struct StepStats {
+  double grad_norm = -1;          ///< global L2 norm of the gradients before clipping; -1 unknown
+  int64_t params_stepped = 0;     ///< tensors updated this iteration
+  bool skipped = false;           ///< the update was dropped (NonFinitePolicy::Skip)
+  int64_t peak_grad_bytes = -1;   ///< peak live gradient bytes (track_grad_bytes only)
+};
+
+/// The interface of the three modes.
+class StepMode {
+ public:
+  virtual ~StepMode();
+  /// Runs backward from `loss`; fused and grouped modes update parameters inside.
+  virtual void backward(const at::Tensor& loss);
+  /// Completes the iteration (see the file comment); returns its statistics.
+  virtual StepStats step() = 0;
+  /// Every optimizer instance (one, or one per group), for schedulers and checkpoints.
+  virtual const std::vector<std::shared_ptr<Optimizer>>& optimizers() const = 0;
+  /// "normal", "fused" or "groups".
+  virtual std::string name() const = 0;
+};
+
+/// The plain loop: backward, then step all and free all gradients.
+std::unique_ptr<StepMode> make_normal_step(std::shared_ptr<Optimizer> optimizer,
+                                           StepOptions options = {});
+
+/// Fused backward pass over every parameter of `optimizer` (which must support step_param).
+std::unique_ptr<StepMode> make_fused_backward(std::shared_ptr<Optimizer> optimizer,
+                                              StepOptions options = {});
+
+/// How parameters are cut into groups.
+enum class SplitPolicy {
+  Size,   ///< balanced by bytes (the largest group sets the memory peak)
+  Count,  ///< equal numbers of tensors
+};
+
+/// Cuts `groups` into about `n` contiguous groups (parameters with different lrs never share one).
+/// `n` larger than the number of tensors is clamped. Each result becomes one optimizer.
+std::vector<std::vector<ParamGroup>> split_param_groups(const std::vector<ParamGroup>& groups,
+                                                        int64_t n, SplitPolicy policy);
+
+/// Builds one optimizer over the given groups (e.g. a plugin's factory with fixed hyperparameters).
+using OptimizerFactory = std::function<std::shared_ptr<Optimizer>(std::vector<ParamGroup>)>;
+
+/// Optimizer groups: one optimizer per split, each stepped once its gradients are all there.
+std::unique_ptr<StepMode> make_optimizer_groups(const std::vector<ParamGroup>& groups, int64_t n,
+                                                SplitPolicy policy, const OptimizerFactory& make,
+                                                StepOptions options = {});
+
+/// Clips one tensor's gradient to `max_norm` exactly as normal mode's per-tensor clipping does;
+/// returns the norm before clipping.
+double clip_grad_norm_one(const at::Tensor& param, double max_norm);
+
+}  // namespace fusebox
