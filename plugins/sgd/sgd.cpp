@@ -16,6 +16,7 @@ class Sgd final : public fusebox::Optimizer {
         return "nesterov needs momentum > 0 and dampening = 0";
       return "";
     });
+    s.flag("stochastic_rounding", false, "round bf16 parameters stochastically on write-back");
   }
 
   Sgd(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)
@@ -23,12 +24,14 @@ class Sgd final : public fusebox::Optimizer {
         momentum_(hp.real("momentum")),
         dampening_(hp.real("dampening")),
         weight_decay_(hp.real("weight_decay")),
-        nesterov_(hp.flag("nesterov")) {}
+        nesterov_(hp.flag("nesterov")),
+        stochastic_(hp.flag("stochastic_rounding")) {}
 
  protected:
   void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t group) override {
-    at::Tensor grad = param.grad();
-    if (weight_decay_ != 0) grad = grad.add(param, weight_decay_);
+    at::Tensor p = fusebox::fp32_view(param);
+    at::Tensor grad = param.grad().to(p.scalar_type());
+    if (weight_decay_ != 0) grad = grad.add(p, weight_decay_);
     if (momentum_ != 0) {
       at::Tensor& buf = state["momentum_buffer"];
       if (!buf.defined())
@@ -38,12 +41,13 @@ class Sgd final : public fusebox::Optimizer {
       grad = nesterov_ ? grad.add(buf, momentum_) : buf;
     }
     ++state.step;
-    param.add_(grad, -lr(group));
+    p.add_(grad, -lr(group));
+    fusebox::write_back(param, p, stochastic_);
   }
 
  private:
   double momentum_, dampening_, weight_decay_;
-  bool nesterov_;
+  bool nesterov_, stochastic_;
 };
 
 }  // namespace

@@ -170,6 +170,8 @@ class FUSEBOX_VISIBLE Optimizer {
 
   /// State of parameter `i` in group `g`.
   ParamState& state(size_t g, size_t i) { return states_.at(g).at(i); }
+  /// State of parameter `i` in group `g`, read-only (for const queries such as effective_lr).
+  const ParamState& state(size_t g, size_t i) const { return states_.at(g).at(i); }
   /// Global scalar state saved with the optimizer (e.g. auto-LR's d); keep empty if unused.
   std::map<std::string, double>& globals() { return globals_; }
   /// Global scalar state, read-only.

@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace fusebox {
 
@@ -17,6 +19,47 @@ inline at::Tensor rms(const at::Tensor& x) {
 /// 1 - beta^step, the usual Adam-style bias correction.
 inline double bias_correction(double beta, int64_t step) {
   return 1.0 - std::pow(beta, static_cast<double>(step));
+}
+
+/// Zero row and column statistics of a factored second moment for `p` (>= 2 dims): shapes
+/// p.shape[:-1] and p.shape[:-2] + p.shape[-1:], in `p`'s dtype and device.
+inline std::pair<at::Tensor, at::Tensor> factored_zeros(const at::Tensor& p) {
+  std::vector<int64_t> col(p.sizes().begin(), p.sizes().end() - 2);
+  col.push_back(p.size(-1));
+  return {at::zeros(p.sizes().slice(0, p.dim() - 1), p.options()), at::zeros(col, p.options())};
+}
+
+/// In place: row = beta·row + (1-beta)·mean_lastdim(q); col = beta·col + (1-beta)·mean_dim(-2)(q).
+inline void factored_ema_(const at::Tensor& row, const at::Tensor& col, const at::Tensor& q,
+                          double beta) {
+  row.mul_(beta).add_(q.mean(-1), 1.0 - beta);
+  col.mul_(beta).add_(q.mean(-2), 1.0 - beta);
+}
+
+/// Writes rsqrt(row / mean_lastdim(row))[..., :, None] · rsqrt(col)[..., None, :] into `out`
+/// (Adafactor's factored estimate of 1/sqrt(E[g²])); `out` has the full parameter shape.
+inline void factored_rsqrt_out(const at::Tensor& out, const at::Tensor& row,
+                               const at::Tensor& col) {
+  at::Tensor o = out;
+  at::mul_out(o, row.div(row.mean(-1, /*keepdim=*/true)).rsqrt_().unsqueeze(-1),
+              col.unsqueeze(-2).rsqrt());
+}
+
+/// Adam's moment updates and bias-corrected step (torch.optim semantics), all in place:
+/// m = b1·m + (1-b1)·g; v = b2·v + (1-b2)·g²; vmax = max(vmax, v) when `vmax` is defined (AMSGrad);
+/// p -= lr/(1-b1^t) · m / (sqrt(vmax or v)/sqrt(1-b2^t) + eps).
+inline void adam_step_(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
+                       const at::Tensor& v, const at::Tensor& vmax, int64_t t, double lr, double b1,
+                       double b2, double eps) {
+  m.mul_(b1).add_(g, 1.0 - b1);
+  v.mul_(b2).addcmul_(g, g, 1.0 - b2);
+  if (vmax.defined()) {
+    at::Tensor out = vmax;
+    at::maximum_out(out, vmax, v);
+  }
+  at::Tensor denom = (vmax.defined() ? vmax : v).sqrt();
+  denom.div_(std::sqrt(bias_correction(b2, t))).add_(eps);
+  p.addcdiv_(m, denom, -lr / bias_correction(b1, t));
 }
 
 /// True for fp16 and bf16, whose updates are computed in fp32 and copied back.

@@ -1,0 +1,114 @@
+// D-Adaptation for Adam (Defazio & Mishchenko 2023, the dadaptation package's DAdaptAdam): the
+// step size d is estimated from all parameters together, so a step needs every gradient.
+#include <fusebox/sdk.h>
+
+namespace {
+
+class DAdaptAdam final : public fusebox::Optimizer {
+ public:
+  static void declare_schema(fusebox::Schema& s) {
+    s.real("lr", 1.0, "multiplier of the estimated step size d (keep 1)").above(0);
+    s.real_pair("betas", {0.9, 0.999}, "decay of the first and second moments")
+        .at_least(0)
+        .below(1);
+    s.real("eps", 1e-8, "added to the denominator").at_least(0);
+    s.real("weight_decay", 0.0, "weight decay (L2, or decoupled with decouple=true)").at_least(0);
+    s.flag("decouple", false, "AdamW-style decoupled weight decay");
+    s.flag("use_bias_correction", false, "Adam bias correction folded into the step size");
+    s.real("d0", 1e-6, "initial estimate of d").above(0);
+    s.real("growth_rate", std::numeric_limits<double>::infinity(),
+           "largest factor by which d may grow per step")
+        .at_least(1);
+    s.flag("stochastic_rounding", false, "round bf16 parameters stochastically on write-back");
+  }
+
+  DAdaptAdam(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)
+      : Optimizer(std::move(groups), hp),
+        beta1_(hp.real_pair("betas").first),
+        beta2_(hp.real_pair("betas").second),
+        eps_(hp.real("eps")),
+        weight_decay_(hp.real("weight_decay")),
+        growth_rate_(hp.real("growth_rate")),
+        decouple_(hp.flag("decouple")),
+        bias_correction_(hp.flag("use_bias_correction")),
+        stochastic_(hp.flag("stochastic_rounding")) {
+    globals() = {{"d", hp.real("d0")}, {"numerator_weighted", 0.0}, {"d_hat", 0.0}, {"k", 0.0}};
+  }
+
+  double effective_lr(size_t g) const override { return globals().at("d") * lr(g); }
+
+  void step() override {
+    at::NoGradGuard no_grad;
+    double& d = globals()["d"];
+    double& k = globals()["k"];
+    double lr = 0;
+    for (size_t g = 0; g < num_groups(); ++g) lr = std::max(lr, this->lr(g));
+    for (size_t g = 0; g < num_groups(); ++g)
+      if (this->lr(g) != lr && this->lr(g) != 0)
+        throw fusebox::Error("dadaptation: every parameter group needs the same lr (or 0)");
+    const int64_t step = static_cast<int64_t>(k) + 1;
+    const double bc = bias_correction_ ? std::sqrt(fusebox::bias_correction(beta2_, step)) /
+                                             fusebox::bias_correction(beta1_, step)
+                                       : 1.0;
+    const double dlr = d * lr * bc, sb = std::sqrt(beta2_);
+
+    // Pass 1: moments, s, and the sums for d, accumulated on the device (one host sync).
+    at::Tensor num, l1;
+    for (size_t gi = 0; gi < num_groups(); ++gi)
+      for (size_t i = 0; i < group(gi).params.size(); ++i) {
+        const at::Tensor& param = group(gi).params[i];
+        if (!param.grad().defined()) continue;
+        fusebox::ParamState& st = state(gi, i);
+        at::Tensor p = fusebox::fp32_view(param);
+        at::Tensor g = param.grad().to(p.scalar_type());
+        if (weight_decay_ != 0 && !decouple_) g = g.add(p, weight_decay_);
+        if (st.step == 0)
+          for (const char* key : {"s", "exp_avg", "exp_avg_sq"}) st[key] = at::zeros_like(p);
+        if (this->lr(gi) == 0) continue;
+        at::Tensor &s = st["s"], &v = st["exp_avg_sq"];
+        at::Tensor sd = v.sqrt().add_(eps_);
+        at::div_out(sd, s, sd);
+        at::Tensor term = at::dot(g.reshape(-1), sd.reshape(-1)).to(at::kDouble).mul_(dlr);
+        st["exp_avg"].mul_(beta1_).add_(g, dlr * (1 - beta1_));
+        v.mul_(beta2_).addcmul_(g, g, 1 - beta2_);
+        s.mul_(sb).add_(g, dlr * (1 - sb));
+        at::Tensor norm = s.abs().sum().to(at::kDouble);
+        num = num.defined() ? num.add_(term.to(num.device())) : term;
+        l1 = l1.defined() ? l1.add_(norm.to(l1.device())) : norm;
+      }
+    if (!num.defined()) return;
+    at::Tensor sums = at::stack({num, l1}).cpu();
+    const double numerator = sums[0].item<double>(), sk_l1 = sums[1].item<double>();
+    if (sk_l1 == 0) return;
+    double& num_w = globals()["numerator_weighted"];
+    num_w = sb * num_w + (1 - sb) * numerator;
+    const double d_hat = num_w / ((1 - sb) * sk_l1);
+    globals()["d_hat"] = d_hat;
+    d = std::max(d, std::min(d_hat, d * growth_rate_));
+
+    // Pass 2: the Adam step with the moments (which already carry dlr).
+    for (size_t gi = 0; gi < num_groups(); ++gi)
+      for (size_t i = 0; i < group(gi).params.size(); ++i) {
+        const at::Tensor& param = group(gi).params[i];
+        if (!param.grad().defined()) continue;
+        fusebox::ParamState& st = state(gi, i);
+        ++st.step;
+        at::Tensor p = fusebox::fp32_view(param);
+        if (weight_decay_ != 0 && decouple_) p.mul_(1 - weight_decay_ * dlr);
+        p.addcdiv_(st["exp_avg"], st["exp_avg_sq"].sqrt().add_(eps_), -1.0);
+        fusebox::write_back(param, p, stochastic_);
+      }
+    k += 1;
+    finish_step();
+  }
+
+ private:
+  double beta1_, beta2_, eps_, weight_decay_, growth_rate_;
+  bool decouple_, bias_correction_, stochastic_;
+};
+
+}  // namespace
+
+FUSEBOX_PLUGIN(DAdaptAdam, "dadaptation", "1.0.0",
+               "D-Adaptation Adam: learning-rate-free Adam (step size estimated as d)",
+               fusebox::kAutoLr)
