@@ -89,12 +89,18 @@ bool coerce(const HyperParamSpec& spec, const Value& in, Value& out) {
 
 std::string type_name(ParamType t) {
   switch (t) {
-    case ParamType::Bool: return "bool";
-    case ParamType::Int: return "integer";
-    case ParamType::Double: return "double";
-    case ParamType::DoublePair: return "pair of doubles";
-    case ParamType::String: return "string";
-    case ParamType::Enum: return "enum";
+    case ParamType::Bool:
+      return "bool";
+    case ParamType::Int:
+      return "integer";
+    case ParamType::Double:
+      return "double";
+    case ParamType::DoublePair:
+      return "pair of doubles";
+    case ParamType::String:
+      return "string";
+    case ParamType::Enum:
+      return "enum";
   }
   return "?";
 }
@@ -118,9 +124,7 @@ std::string format_value(const Value& v) {
 
 Value parse_value(const HyperParamSpec& spec, const std::string& text) {
   const std::string t = trim(text);
-  auto bad = [&](const std::string& expected) {
-    return Error("'" + t + "' is not " + expected);
-  };
+  auto bad = [&](const std::string& expected) { return Error("'" + t + "' is not " + expected); };
   if (is_none_text(t)) {
     if (!spec.nullable) throw Error("none is not allowed");
     return std::monostate{};

@@ -145,8 +145,7 @@ std::vector<fs::path> PluginRegistry::search_path() const {
 
 std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
   std::error_code ec;
-  if (!fs::exists(path, ec))
-    throw Error("plugin file " + path.string() + " does not exist");
+  if (!fs::exists(path, ec)) throw Error("plugin file " + path.string() + " does not exist");
   if (!fs::is_regular_file(path, ec))
     throw Error("plugin " + path.string() + " is not a regular file");
   const fs::path canonical = fs::canonical(path, ec);
@@ -165,7 +164,8 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
     throw Error("cannot load plugin " + path.string() + ": " + e.what());
   }
   if (!library->has(FUSEBOX_PLUGIN_ENTRY_NAME))
-    throw Error("plugin " + path.string() + " has no " FUSEBOX_PLUGIN_ENTRY_NAME
+    throw Error("plugin " + path.string() +
+                " has no " FUSEBOX_PLUGIN_ENTRY_NAME
                 " entry point: it is not a fusebox plugin (export one with FUSEBOX_PLUGIN)");
   using Entry = const PluginDescriptor*();
   const PluginDescriptor* d = nullptr;
@@ -198,7 +198,8 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
                 " but fusebox runs LibTorch " TORCH_VERSION
                 ": rebuild the plugin against the same LibTorch");
   if (!d->name || !*d->name || !d->create || !d->declare_schema)
-    throw Error("plugin " + path.string() + " has an incomplete descriptor (name, schema or factory"
+    throw Error("plugin " + path.string() +
+                " has an incomplete descriptor (name, schema or factory"
                 " missing)");
 
   PluginInfo info;
@@ -252,8 +253,8 @@ std::vector<std::shared_ptr<LoadedPlugin>> PluginRegistry::list(std::vector<Brok
       }
       auto [it, inserted] = by_name.emplace(p->info().name, p);
       if (!inserted && it->second->info().path != p->info().path)
-        throw Error("two plugins are named '" + p->info().name + "': " +
-                    it->second->info().path.string() + " and " + p->info().path.string() +
+        throw Error("two plugins are named '" + p->info().name +
+                    "': " + it->second->info().path.string() + " and " + p->info().path.string() +
                     "; remove one or load it by path with --optimizer-plugin");
     }
   }

@@ -60,18 +60,21 @@ TEST(HyperparamValidation, TypedValuesFromTomlWidenIntsToDoubles) {
     validate_hyperparams(make_schema(), "demo", a);
     FAIL();
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "run.toml:4:1: demo: hyperparameter 'slice_p': expected integer, got 2.5");
+    EXPECT_STREQ(e.what(),
+                 "run.toml:4:1: demo: hyperparameter 'slice_p': expected integer, got 2.5");
   }
 }
 
 TEST(HyperparamValidation, UnknownKeySuggestsNearest) {
   std::string m = error_of(cli({{"beta", "(0.9,0.9)"}}));
-  EXPECT_NE(m.find("demo: unknown hyperparameter 'beta' (did you mean 'betas'?)"), std::string::npos)
+  EXPECT_NE(m.find("demo: unknown hyperparameter 'beta' (did you mean 'betas'?)"),
+            std::string::npos)
       << m;
 }
 
 TEST(HyperparamValidation, WrongTypeOutOfRangeEnumAndRule) {
-  EXPECT_NE(error_of(cli({{"lr", "fast"}})).find("'lr': 'fast' is not a number"), std::string::npos);
+  EXPECT_NE(error_of(cli({{"lr", "fast"}})).find("'lr': 'fast' is not a number"),
+            std::string::npos);
   EXPECT_NE(error_of(cli({{"lr", "-1"}})).find("'lr': -1 is outside (0, inf]"), std::string::npos);
   EXPECT_NE(error_of(cli({{"betas", "(0.9,1.0)"}})).find("each value must be in [0, 1)"),
             std::string::npos);

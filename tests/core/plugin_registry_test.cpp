@@ -34,7 +34,8 @@ std::string error_of(F&& f) {
 }
 
 fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("fusebox_test_" + name + "_" + std::to_string(::getpid()));
+  fs::path d =
+      fs::temp_directory_path() / ("fusebox_test_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
   fs::permissions(d, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
@@ -109,7 +110,7 @@ TEST(PluginRegistry, ElfForAnotherArchitecture) {
   fs::path dir = temp_dir("arch");
   // A 64-bit little-endian ELF header claiming to be for a different machine than this one.
   unsigned char h[64] = {0x7f, 'E', 'L', 'F', 2, 1, 1};
-  h[16] = 3;  // ET_DYN
+  h[16] = 3;                       // ET_DYN
   h[18] = 0xb7 == 62 ? 62 : 0xb7;  // EM_AARCH64 (183) on x86-64 hosts
 #if defined(__aarch64__)
   h[18] = 62;  // EM_X86_64 on arm hosts

@@ -7,9 +7,7 @@ namespace {
 // A plain SGD-like optimizer whose faults are switched on by FAULT_*.
 class TestOptimizer final : public fusebox::Optimizer {
  public:
-  static void declare_schema(fusebox::Schema& s) {
-    s.real("lr", 0.1, "learning rate").above(0);
-  }
+  static void declare_schema(fusebox::Schema& s) { s.real("lr", 0.1, "learning rate").above(0); }
   TestOptimizer(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)
       : Optimizer(std::move(groups), hp) {
 #ifdef FAULT_FACTORY_THROWS
@@ -60,7 +58,11 @@ fusebox_plugin_entry() {
 #else
       TORCH_VERSION,
 #endif
-      PLUGIN_NAME, "0.0.1", "broken on purpose", PLUGIN_CAPS, &TestOptimizer::declare_schema,
+      PLUGIN_NAME,
+      "0.0.1",
+      "broken on purpose",
+      PLUGIN_CAPS,
+      &TestOptimizer::declare_schema,
       [](std::vector<fusebox::ParamGroup> g,
          const fusebox::HyperParams& h) -> std::unique_ptr<fusebox::Optimizer> {
         return std::make_unique<TestOptimizer>(std::move(g), h);

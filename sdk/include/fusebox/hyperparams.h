@@ -22,40 +22,55 @@ namespace fusebox {
 enum class ParamType { Bool, Int, Double, DoublePair, String, Enum };
 
 /// A hyperparameter value; std::monostate means "none" (allowed only for nullable ones).
-using Value = std::variant<std::monostate, bool, int64_t, double, std::pair<double, double>,
-                           std::string>;
+using Value =
+    std::variant<std::monostate, bool, int64_t, double, std::pair<double, double>, std::string>;
 
 /// One declared hyperparameter. Fluent setters refine it: `.at_least(0).below(1)`.
 struct HyperParamSpec {
-  std::string name;                        ///< snake_case key, as users write it
-  ParamType type = ParamType::Double;      ///< value type
-  Value default_value;                     ///< default (monostate: "none")
-  std::string help;                        ///< one-line description
+  std::string name;                                      ///< snake_case key, as users write it
+  ParamType type = ParamType::Double;                    ///< value type
+  Value default_value;                                   ///< default (monostate: "none")
+  std::string help;                                      ///< one-line description
   double lo = -std::numeric_limits<double>::infinity();  ///< lower bound (numbers, each of a pair)
   double hi = std::numeric_limits<double>::infinity();   ///< upper bound
-  bool lo_open = false;                    ///< true: value must be > lo instead of >= lo
-  bool hi_open = false;                    ///< true: value must be < hi instead of <= hi
-  bool nullable = false;                   ///< "none" is a valid value
-  std::vector<std::string> choices;        ///< allowed strings of an Enum
+  bool lo_open = false;              ///< true: value must be > lo instead of >= lo
+  bool hi_open = false;              ///< true: value must be < hi instead of <= hi
+  bool nullable = false;             ///< "none" is a valid value
+  std::vector<std::string> choices;  ///< allowed strings of an Enum
 
   /// Requires value >= v.
-  HyperParamSpec& at_least(double v) { lo = v, lo_open = false; return *this; }
+  HyperParamSpec& at_least(double v) {
+    lo = v, lo_open = false;
+    return *this;
+  }
   /// Requires value > v.
-  HyperParamSpec& above(double v) { lo = v, lo_open = true; return *this; }
+  HyperParamSpec& above(double v) {
+    lo = v, lo_open = true;
+    return *this;
+  }
   /// Requires value <= v.
-  HyperParamSpec& at_most(double v) { hi = v, hi_open = false; return *this; }
+  HyperParamSpec& at_most(double v) {
+    hi = v, hi_open = false;
+    return *this;
+  }
   /// Requires value < v.
-  HyperParamSpec& below(double v) { hi = v, hi_open = true; return *this; }
+  HyperParamSpec& below(double v) {
+    hi = v, hi_open = true;
+    return *this;
+  }
   /// Allows "none" as a value.
-  HyperParamSpec& allow_none() { nullable = true; return *this; }
+  HyperParamSpec& allow_none() {
+    nullable = true;
+    return *this;
+  }
 };
 
 class HyperParams;
 
 /// A cross-field rule: returns an empty string when satisfied, else what is wrong.
 struct Rule {
-  std::string keys;                                        ///< the keys it concerns, for messages
-  std::function<std::string(const HyperParams&)> check;   ///< "" when satisfied
+  std::string keys;                                      ///< the keys it concerns, for messages
+  std::function<std::string(const HyperParams&)> check;  ///< "" when satisfied
 };
 
 /// Everything a plugin accepts; built in the plugin's `declare_schema`.

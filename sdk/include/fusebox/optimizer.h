@@ -25,15 +25,15 @@ namespace fusebox {
 
 /// Parameters optimized together with one learning rate.
 struct ParamGroup {
-  std::vector<at::Tensor> params;   ///< leaf tensors with requires_grad
-  std::vector<std::string> names;   ///< one unique name per param (empty: "g<i>.p<j>" are made up)
+  std::vector<at::Tensor> params;  ///< leaf tensors with requires_grad
+  std::vector<std::string> names;  ///< one unique name per param (empty: "g<i>.p<j>" are made up)
   double lr = std::numeric_limits<double>::quiet_NaN();  ///< NaN: use the "lr" hyperparameter
 };
 
 /// Per-parameter state: a step count and named tensors (moments, factored statistics, ...).
 struct ParamState {
-  int64_t step = 0;                          ///< updates applied to this parameter so far
-  std::map<std::string, at::Tensor> tensors; ///< named state tensors
+  int64_t step = 0;                           ///< updates applied to this parameter so far
+  std::map<std::string, at::Tensor> tensors;  ///< named state tensors
   /// The state tensor `key` (undefined until assigned).
   at::Tensor& operator[](const std::string& key) { return tensors[key]; }
 };

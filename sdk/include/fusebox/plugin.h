@@ -55,22 +55,22 @@ struct PluginDescriptor {
 
 /// Exports a plugin. `OptimizerClass` needs a constructor (std::vector<ParamGroup>, const
 /// HyperParams&) and a static `void declare_schema(fusebox::Schema&)`.
-#define FUSEBOX_PLUGIN(OptimizerClass, NAME, VERSION, DESCRIPTION, CAPABILITIES)                 \
-  extern "C" __attribute__((visibility("default"))) const ::fusebox::PluginDescriptor*           \
-  fusebox_plugin_entry() {                                                                       \
-    static const ::fusebox::PluginDescriptor descriptor{                                         \
-        sizeof(::fusebox::PluginDescriptor),                                                     \
-        FUSEBOX_API_MAJOR,                                                                       \
-        FUSEBOX_API_MINOR,                                                                       \
-        TORCH_VERSION,                                                                           \
-        NAME,                                                                                    \
-        VERSION,                                                                                 \
-        DESCRIPTION,                                                                             \
-        CAPABILITIES,                                                                            \
-        &OptimizerClass::declare_schema,                                                         \
-        [](std::vector<::fusebox::ParamGroup> groups,                                            \
-           const ::fusebox::HyperParams& hp) -> std::unique_ptr<::fusebox::Optimizer> {          \
-          return std::make_unique<OptimizerClass>(std::move(groups), hp);                        \
-        }};                                                                                      \
-    return &descriptor;                                                                          \
+#define FUSEBOX_PLUGIN(OptimizerClass, NAME, VERSION, DESCRIPTION, CAPABILITIES)        \
+  extern "C" __attribute__((visibility("default"))) const ::fusebox::PluginDescriptor*  \
+  fusebox_plugin_entry() {                                                              \
+    static const ::fusebox::PluginDescriptor descriptor{                                \
+        sizeof(::fusebox::PluginDescriptor),                                            \
+        FUSEBOX_API_MAJOR,                                                              \
+        FUSEBOX_API_MINOR,                                                              \
+        TORCH_VERSION,                                                                  \
+        NAME,                                                                           \
+        VERSION,                                                                        \
+        DESCRIPTION,                                                                    \
+        CAPABILITIES,                                                                   \
+        &OptimizerClass::declare_schema,                                                \
+        [](std::vector<::fusebox::ParamGroup> groups,                                   \
+           const ::fusebox::HyperParams& hp) -> std::unique_ptr<::fusebox::Optimizer> { \
+          return std::make_unique<OptimizerClass>(std::move(groups), hp);               \
+        }};                                                                             \
+    return &descriptor;                                                                 \
   }

@@ -32,8 +32,7 @@ struct PluginInfo {
 /// created, is alive.
 class LoadedPlugin {
  public:
-  LoadedPlugin(std::shared_ptr<void> library, const PluginDescriptor* descriptor,
-               PluginInfo info);
+  LoadedPlugin(std::shared_ptr<void> library, const PluginDescriptor* descriptor, PluginInfo info);
   const PluginInfo& info() const { return info_; }
   const Schema& schema() const { return schema_; }
   bool has(Capability c) const { return (info_.capabilities & c) != 0; }

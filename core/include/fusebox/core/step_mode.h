@@ -35,10 +35,12 @@ enum class NonFinitePolicy {
 
 /// Options common to all modes.
 struct StepOptions {
-  double max_grad_norm = 0;            ///< > 0: clip gradients by norm (0 turns clipping off)
-  bool clip_per_tensor = false;        ///< normal mode: clip each tensor alone (fused/groups always do)
+  double max_grad_norm = 0;      ///< > 0: clip gradients by norm (0 turns clipping off)
+  bool clip_per_tensor = false;  ///< normal mode: clip each tensor alone (fused/groups always do)
+  bool check_finite = true;      ///< look for NaN/Inf gradients before stepping
   NonFinitePolicy non_finite = NonFinitePolicy::Stop;  ///< reaction to NaN/Inf gradients
-  bool track_grad_bytes = false;       ///< record peak live gradient bytes (costly: for tests)
+  bool track_grad_norm = true;    ///< compute StepStats::grad_norm (one reduction per tensor)
+  bool track_grad_bytes = false;  ///< record peak live gradient bytes (costly: for tests)
   /// Receives warnings (e.g. a parameter that got no gradient); default prints to stderr.
   std::function<void(const std::string&)> warn;
 };
@@ -51,10 +53,10 @@ class FUSEBOX_VISIBLE NonFiniteError : public Error {
 
 /// Statistics of the last iteration, gathered for free where the mode sees the gradients.
 struct StepStats {
-  double grad_norm = -1;          ///< global L2 norm of the gradients before clipping; -1 unknown
-  int64_t params_stepped = 0;     ///< tensors updated this iteration
-  bool skipped = false;           ///< the update was dropped (NonFinitePolicy::Skip)
-  int64_t peak_grad_bytes = -1;   ///< peak live gradient bytes (track_grad_bytes only)
+  double grad_norm = -1;         ///< global L2 norm of the gradients before clipping; -1 unknown
+  int64_t params_stepped = 0;    ///< tensors updated this iteration
+  bool skipped = false;          ///< the update was dropped (NonFinitePolicy::Skip)
+  int64_t peak_grad_bytes = -1;  ///< peak live gradient bytes (track_grad_bytes only)
 };
 
 /// The interface of the three modes.
@@ -98,8 +100,8 @@ std::unique_ptr<StepMode> make_optimizer_groups(const std::vector<ParamGroup>& g
                                                 SplitPolicy policy, const OptimizerFactory& make,
                                                 StepOptions options = {});
 
-/// Clips one tensor's gradient to `max_norm` exactly as normal mode's per-tensor clipping does;
-/// returns the norm before clipping.
-double clip_grad_norm_one(const at::Tensor& param, double max_norm);
+/// Clips one tensor's gradient to `max_norm` (torch's clip_grad_norm_ rule applied to one tensor);
+/// returns the norm before clipping as a 0-d tensor on the gradient's device (no host sync).
+at::Tensor clip_grad_norm_one(const at::Tensor& param, double max_norm);
 
 }  // namespace fusebox

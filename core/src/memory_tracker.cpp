@@ -1,0 +1,131 @@
+// A counting CPU allocator (LibTorch's own allocation routine underneath) and CUDA statistics.
+#include "fusebox/core/memory_tracker.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <cstdio>
+#include <mutex>
+#include <unordered_map>
+
+#include "torch_compat.h"
+
+namespace fusebox::memory {
+
+namespace {
+
+struct Counters {
+  std::mutex mu;
+  std::unordered_map<void*, size_t> sizes;
+  int64_t current = 0, peak = 0;
+  std::vector<PhasePeak> phases;  // first-seen order
+  size_t active = 0;              // index into phases (valid when phases is not empty)
+};
+
+Counters& counters() {
+  static Counters* c = new Counters();  // never destroyed: tensors may die during exit
+  return *c;
+}
+
+void count_free(void* ptr) {
+  if (!ptr) return;
+  Counters& c = counters();
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto it = c.sizes.find(ptr);
+    if (it != c.sizes.end()) {
+      c.current -= static_cast<int64_t>(it->second);
+      c.sizes.erase(it);
+    }
+  }
+  c10::free_cpu(ptr);
+}
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) const override {
+    void* ptr = c10::alloc_cpu(nbytes);
+    Counters& c = counters();
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      c.sizes[ptr] = nbytes;
+      c.current += static_cast<int64_t>(nbytes);
+      if (c.current > c.peak) c.peak = c.current;
+      if (!c.phases.empty() && c.current > c.phases[c.active].peak_bytes)
+        c.phases[c.active].peak_bytes = c.current;
+    }
+    return {ptr, ptr, &count_free, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &count_free; }
+};
+
+CountingAllocator* the_allocator() {
+  static CountingAllocator* a = new CountingAllocator();  // must outlive every tensor
+  return a;
+}
+
+bool g_installed = false;
+
+}  // namespace
+
+void install_cpu_tracking() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    c10::SetCPUAllocator(the_allocator(), /*priority=*/1);
+    g_installed = true;
+  });
+}
+
+bool cpu_tracking_installed() { return g_installed; }
+
+int64_t current_bytes() {
+  std::lock_guard<std::mutex> lock(counters().mu);
+  return counters().current;
+}
+
+int64_t peak_bytes() {
+  std::lock_guard<std::mutex> lock(counters().mu);
+  return counters().peak;
+}
+
+void reset_peak() {
+  std::lock_guard<std::mutex> lock(counters().mu);
+  counters().peak = counters().current;
+  counters().phases.clear();
+}
+
+void mark_phase(const std::string& phase) {
+  Counters& c = counters();
+  std::lock_guard<std::mutex> lock(c.mu);
+  for (size_t i = 0; i < c.phases.size(); ++i)
+    if (c.phases[i].phase == phase) {
+      c.active = i;
+      c.phases[i].peak_bytes = std::max(c.phases[i].peak_bytes, c.current);
+      return;
+    }
+  c.phases.push_back({phase, c.current});
+  c.active = c.phases.size() - 1;
+}
+
+std::vector<PhasePeak> phase_peaks() {
+  std::lock_guard<std::mutex> lock(counters().mu);
+  return counters().phases;
+}
+
+CudaStats cuda_stats() {
+  compat::CudaAllocatorStats s = compat::cuda_allocator_stats();
+  return {s.allocated, s.peak_allocated, s.reserved, s.peak_reserved};
+}
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (std::abs(v) >= 1024.0 && u < 4) v /= 1024.0, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+  return buf;
+}
+
+}  // namespace fusebox::memory

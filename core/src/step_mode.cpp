@@ -1,0 +1,133 @@
+// Normal stepping and the pieces shared by all modes (clipping, finiteness, statistics).
+#include "fusebox/core/step_mode.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <iostream>
+
+#include "step_mode_common.h"
+
+namespace fusebox {
+
+StepMode::~StepMode() = default;
+
+void StepMode::backward(const at::Tensor& loss) { loss.backward(); }
+
+at::Tensor clip_grad_norm_one(const at::Tensor& param, double max_norm) {
+  at::Tensor grad = param.grad();
+  at::Tensor norm = grad.norm();
+  // torch.nn.utils.clip_grad_norm_'s rule: coef = max_norm / (norm + 1e-6), clamped to 1.
+  at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max_(1.0);
+  grad.mul_(coef);
+  return norm;
+}
+
+namespace detail {
+
+std::function<void(const std::string&)> warner(const StepOptions& o) {
+  if (o.warn) return o.warn;
+  return [](const std::string& m) { std::cerr << "fusebox: warning: " << m << "\n"; };
+}
+
+bool grad_is_finite(const at::Tensor& param) {
+  return at::isfinite(param.grad()).all().item<bool>();
+}
+
+int64_t live_grad_bytes(const std::vector<at::Tensor>& params) {
+  int64_t total = 0;
+  for (const auto& p : params)
+    if (p.grad().defined()) total += p.grad().numel() * p.grad().element_size();
+  return total;
+}
+
+double finish_norm(const at::Tensor& sum_sq) {
+  return sum_sq.defined() ? std::sqrt(sum_sq.item<double>()) : -1.0;
+}
+
+void add_sq(at::Tensor& sum_sq, const at::Tensor& norm) {
+  at::Tensor sq = norm.to(at::kDouble).square();
+  sum_sq = sum_sq.defined() ? sum_sq + sq : sq;
+}
+
+}  // namespace detail
+
+namespace {
+
+class NormalStep final : public StepMode {
+ public:
+  NormalStep(std::shared_ptr<Optimizer> optimizer, StepOptions options)
+      : options_(std::move(options)), optimizers_{std::move(optimizer)} {
+    for (size_t g = 0; g < optimizers_[0]->num_groups(); ++g)
+      for (size_t i = 0; i < optimizers_[0]->group(g).params.size(); ++i) {
+        params_.push_back(optimizers_[0]->group(g).params[i]);
+        names_.push_back(optimizers_[0]->group(g).names[i]);
+      }
+  }
+
+  StepStats step() override {
+    at::NoGradGuard no_grad;
+    StepStats stats;
+    Optimizer& opt = *optimizers_[0];
+    if (options_.track_grad_bytes) stats.peak_grad_bytes = detail::live_grad_bytes(params_);
+    if (options_.check_finite) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (!params_[i].grad().defined() || detail::grad_is_finite(params_[i])) continue;
+        if (options_.non_finite == NonFinitePolicy::Skip) {
+          detail::warner(options_)("non-finite gradient in parameter '" + names_[i] +
+                                   "': this iteration's update was skipped");
+          opt.zero_grad(true);
+          stats.skipped = true;
+          return stats;
+        }
+        throw NonFiniteError("non-finite gradient in parameter '" + names_[i] +
+                             "'; no parameter was updated in this iteration");
+      }
+    }
+    at::Tensor sum_sq;
+    std::vector<at::Tensor> norms;
+    for (const auto& p : params_) {
+      if (!p.grad().defined()) continue;
+      ++stats.params_stepped;
+      if (options_.max_grad_norm > 0 && options_.clip_per_tensor) {
+        detail::add_sq(sum_sq, clip_grad_norm_one(p, options_.max_grad_norm));
+      } else if (options_.max_grad_norm > 0 || options_.track_grad_norm) {
+        norms.push_back(p.grad().norm().to(at::kDouble));
+      }
+    }
+    if (!norms.empty()) {
+      // Global clipping exactly as torch.nn.utils.clip_grad_norm_ does it.
+      at::Tensor total = at::stack(norms).norm();
+      if (options_.max_grad_norm > 0) {
+        at::Tensor coef = (options_.max_grad_norm / (total + 1e-6)).clamp_max_(1.0);
+        for (const auto& p : params_)
+          if (p.grad().defined()) p.grad().mul_(coef.to(p.grad().scalar_type()));
+      }
+      stats.grad_norm = total.item<double>();
+    } else {
+      stats.grad_norm = detail::finish_norm(sum_sq);
+    }
+    opt.step();
+    opt.zero_grad(true);
+    return stats;
+  }
+
+  const std::vector<std::shared_ptr<Optimizer>>& optimizers() const override { return optimizers_; }
+  std::string name() const override { return "normal"; }
+
+ private:
+  StepOptions options_;
+  std::vector<std::shared_ptr<Optimizer>> optimizers_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+};
+
+}  // namespace
+
+std::unique_ptr<StepMode> make_normal_step(std::shared_ptr<Optimizer> optimizer,
+                                           StepOptions options) {
+  if (!optimizer) throw Error("make_normal_step: no optimizer");
+  return std::make_unique<NormalStep>(std::move(optimizer), std::move(options));
+}
+
+}  // namespace fusebox

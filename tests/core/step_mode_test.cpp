@@ -1,0 +1,356 @@
+// Normal, fused and grouped stepping give bit-identical parameters; fused/grouped modes keep
+// only the gradients they promise alive; every parameter steps exactly once per backward.
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "fusebox/core/lr_scheduler.h"
+#include "fusebox/core/plugin_registry.h"
+#include "fusebox/core/step_mode.h"
+#include "tiny_lm.h"
+
+using namespace fusebox;
+using fusebox::testing::TinyLm;
+
+namespace {
+
+LoaderOptions only(std::vector<std::filesystem::path> dirs) {
+  LoaderOptions o;
+  o.plugin_dirs = std::move(dirs);
+  o.use_environment = false;
+  o.use_default_dir = false;
+  return o;
+}
+
+PluginRegistry& registry() {
+  static PluginRegistry r(only({FUSEBOX_PLUGIN_DIR, FUSEBOX_TEST_PLUGIN_DIR}));
+  return r;
+}
+
+// Hyperparameters that exercise more of an algorithm than its defaults do.
+UserArgs args_for(const LoadedPlugin& p) {
+  UserArgs a;
+  auto set = [&](const std::string& k, const std::string& v) {
+    if (p.schema().find(k)) a[k] = UserArg{std::monostate{}, v, "test"};
+  };
+  if (p.info().name == "sgd") set("momentum", "0.9"), set("weight_decay", "0.01");
+  if (p.info().name == "adafactor") set("beta1", "0.9");
+  if (p.info().name == "came" || p.info().name == "lion") set("lr", "0.001");
+  return a;
+}
+
+struct ModeRun {
+  std::string mode;  // normal | fused | groups
+  int64_t groups = 1;
+  SplitPolicy policy = SplitPolicy::Size;
+  double max_grad_norm = 0;
+  bool clip_per_tensor = false;
+};
+
+struct Result {
+  std::vector<at::Tensor> params;
+  std::vector<StepStats> stats;
+  std::vector<std::string> warnings;
+};
+
+Result train(const LoadedPlugin& plugin, const TinyLm& init, const ModeRun& run, int steps = 4,
+             bool track_bytes = false) {
+  TinyLm model = init.clone();
+  HyperParams hp = plugin.validate(args_for(plugin));
+  Result r;
+  StepOptions o;
+  o.max_grad_norm = run.max_grad_norm;
+  o.clip_per_tensor = run.clip_per_tensor;
+  o.track_grad_bytes = track_bytes;
+  o.warn = [&r](const std::string& m) { r.warnings.push_back(m); };
+  std::unique_ptr<StepMode> mode;
+  if (run.mode == "normal")
+    mode = make_normal_step(plugin.create(model.groups(), hp), o);
+  else if (run.mode == "fused")
+    mode = make_fused_backward(plugin.create(model.groups(), hp), o);
+  else
+    mode = make_optimizer_groups(
+        model.groups(), run.groups, run.policy,
+        [&](std::vector<ParamGroup> g) { return plugin.create(std::move(g), hp); }, o);
+  SchedulerOptions so;
+  so.type = "cosine";
+  so.total_steps = steps;
+  so.warmup_steps = 1;
+  LrScheduler sched(mode->optimizers(), so);
+  for (int s = 0; s < steps; ++s) {
+    mode->backward(model.loss(s));
+    r.stats.push_back(mode->step());
+    sched.step();
+  }
+  for (auto& p : model.params) r.params.push_back(p.detach().clone());
+  return r;
+}
+
+void expect_identical(const Result& a, const Result& b, const std::string& what) {
+  ASSERT_EQ(a.params.size(), b.params.size());
+  for (size_t i = 0; i < a.params.size(); ++i)
+    EXPECT_TRUE(at::equal(a.params[i], b.params[i]))
+        << what << ": parameter " << i << " differs by "
+        << (a.params[i] - b.params[i]).abs().max().item<double>();
+}
+
+std::vector<std::shared_ptr<LoadedPlugin>> step_param_plugins() {
+  std::vector<std::shared_ptr<LoadedPlugin>> out;
+  PluginRegistry reg(only({FUSEBOX_PLUGIN_DIR}));
+  for (auto& p : reg.list())
+    if (p->has(kSupportsStepParam)) out.push_back(p);
+  return out;
+}
+
+}  // namespace
+
+TEST(StepModes, FusedAndGroupsEqualNormalBitForBitForEveryPerParameterPlugin) {
+  auto plugins = step_param_plugins();
+  ASSERT_FALSE(plugins.empty());
+  TinyLm init;
+  const int64_t tensors = static_cast<int64_t>(init.params.size());
+  for (const auto& plugin : plugins) {
+    SCOPED_TRACE(plugin->info().name);
+    Result normal = train(*plugin, init, {"normal"});
+    // The run must actually change the parameters, or equality proves nothing.
+    EXPECT_FALSE(at::equal(normal.params[0], init.params[0].detach()));
+    expect_identical(normal, train(*plugin, init, {"fused"}), "fused");
+    for (int64_t n : {int64_t{1}, int64_t{3}, tensors})
+      for (SplitPolicy policy : {SplitPolicy::Size, SplitPolicy::Count})
+        expect_identical(
+            normal, train(*plugin, init, {"groups", n, policy}),
+            "groups " + std::to_string(n) + (policy == SplitPolicy::Size ? " size" : " count"));
+  }
+}
+
+TEST(StepModes, WithClippingFusedEqualsNormalWithPerTensorClipping) {
+  for (const auto& plugin : step_param_plugins()) {
+    SCOPED_TRACE(plugin->info().name);
+    TinyLm init;
+    ModeRun normal{"normal"}, fused{"fused"}, groups{"groups", 3};
+    normal.max_grad_norm = fused.max_grad_norm = groups.max_grad_norm = 0.05;
+    normal.clip_per_tensor = true;
+    Result n = train(*plugin, init, normal);
+    expect_identical(n, train(*plugin, init, fused), "fused clipped");
+    expect_identical(n, train(*plugin, init, groups), "groups clipped");
+    // Clipping really happened: an unclipped run ends elsewhere.
+    Result unclipped = train(*plugin, init, {"normal"});
+    EXPECT_FALSE(at::equal(n.params[1], unclipped.params[1]));
+  }
+}
+
+TEST(StepModes, GradNormIsReportedAlikeInAllModes) {
+  auto plugin = registry().load_file("sgd.so");
+  TinyLm init;
+  Result n = train(*plugin, init, {"normal"}, 2), f = train(*plugin, init, {"fused"}, 2);
+  ASSERT_GT(n.stats[0].grad_norm, 0);
+  EXPECT_NEAR(n.stats[0].grad_norm, f.stats[0].grad_norm, 1e-9 * n.stats[0].grad_norm);
+  EXPECT_EQ(f.stats[0].params_stepped, static_cast<int64_t>(init.params.size()));
+}
+
+TEST(StepModes, FusedKeepsAtMostOneGradientAliveGroupsAtMostTheLargestGroup) {
+  auto plugin = registry().load_file("sgd.so");
+  TinyLm init(at::kFloat);
+  int64_t largest = 0, total = 0;
+  for (auto& p : init.params) {
+    largest = std::max<int64_t>(largest, p.numel() * p.element_size());
+    total += p.numel() * p.element_size();
+  }
+  Result normal = train(*plugin, init, {"normal"}, 2, true);
+  EXPECT_EQ(normal.stats[0].peak_grad_bytes, total);
+  Result fused = train(*plugin, init, {"fused"}, 2, true);
+  EXPECT_GT(fused.stats[0].peak_grad_bytes, 0);
+  EXPECT_LE(fused.stats[0].peak_grad_bytes, largest);
+  for (SplitPolicy policy : {SplitPolicy::Size, SplitPolicy::Count}) {
+    auto splits = split_param_groups(init.groups(), 3, policy);
+    int64_t largest_group = 0;
+    for (auto& s : splits) {
+      int64_t bytes = 0;
+      for (auto& p : s[0].params) bytes += p.numel() * p.element_size();
+      largest_group = std::max(largest_group, bytes);
+    }
+    Result grouped = train(*plugin, init, {"groups", 3, policy}, 2, true);
+    EXPECT_LE(grouped.stats[0].peak_grad_bytes, largest_group);
+    EXPECT_LT(grouped.stats[0].peak_grad_bytes, total);
+  }
+}
+
+TEST(StepModes, UnusedParameterIsWarnedOnceAndNotStepped) {
+  auto plugin = registry().load_file("sgd.so");
+  TinyLm init(at::kDouble, /*with_unused=*/true);
+  for (std::string mode : {"fused", "groups"}) {
+    Result r = train(*plugin, init, {mode, 1}, 3);
+    ASSERT_EQ(r.warnings.size(), 1u) << mode;
+    EXPECT_NE(r.warnings[0].find("'unused.weight' received no gradient"), std::string::npos);
+    EXPECT_TRUE(at::equal(r.params.back(), init.params.back().detach())) << mode;
+    // The seed's bug: a group with a parameter lacking a gradient never stepped. Here the
+    // group (all parameters, N = 1) still steps with the others.
+    EXPECT_FALSE(at::equal(r.params[1], init.params[1].detach())) << mode;
+    EXPECT_EQ(r.stats[0].params_stepped, static_cast<int64_t>(init.params.size()) - 1);
+  }
+}
+
+TEST(StepModes, SecondGradientWithinOneBackwardIsAnError) {
+  auto plugin = registry().load_file("sgd.so");
+  at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
+  ParamGroup g;
+  g.params = {w};
+  g.names = {"w"};
+  auto mode = make_fused_backward(plugin->create({g}, plugin->validate({})));
+  at::Tensor loss = (w * 2).sum();
+  mode->backward(loss.clone());
+  try {
+    loss.backward({}, /*retain_graph=*/true);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'w' received a second gradient"), std::string::npos);
+  }
+}
+
+TEST(StepModes, PluginExceptionInsideHookReachesCallerWithItsOwnMessage) {
+  auto plugin =
+      registry().load_file((std::string(FUSEBOX_TEST_PLUGIN_DIR) + "/tp_step_param_throws.so"));
+  TinyLm model;
+  auto mode = make_fused_backward(plugin->create(model.groups(), plugin->validate({})));
+  try {
+    mode->backward(model.loss(0));
+    FAIL() << "expected the plugin's exception";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "test plugin: step_param exploded on purpose");
+  }
+  for (auto& p : model.params) EXPECT_FALSE(p.grad().defined());  // nothing left half-done
+}
+
+TEST(StepModes, NonFiniteGradientStopsBeforeTheParameterIsUpdated) {
+  auto plugin = registry().load_file("sgd.so");
+  for (std::string mode_name : {"normal", "fused", "groups"}) {
+    at::Tensor a = at::ones({2}, at::kDouble).requires_grad_(true);
+    at::Tensor b = at::ones({2}, at::kDouble).requires_grad_(true);
+    ParamGroup g;
+    g.params = {a, b};
+    g.names = {"a", "b"};
+    HyperParams hp = plugin->validate({});
+    std::unique_ptr<StepMode> mode;
+    if (mode_name == "normal") mode = make_normal_step(plugin->create({g}, hp));
+    if (mode_name == "fused") mode = make_fused_backward(plugin->create({g}, hp));
+    if (mode_name == "groups")
+      mode = make_optimizer_groups({g}, 2, SplitPolicy::Count, [&](std::vector<ParamGroup> x) {
+        return plugin->create(x, hp);
+      });
+    at::Tensor loss = (a * std::numeric_limits<double>::infinity()).sum() + b.sum();
+    try {
+      mode->backward(loss);
+      mode->step();
+      FAIL() << mode_name << ": expected NonFiniteError";
+    } catch (const NonFiniteError& e) {
+      EXPECT_NE(std::string(e.what()).find("'a'"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(at::isfinite(a).all().item<bool>()) << mode_name;
+    EXPECT_TRUE(at::equal(a, at::ones({2}, at::kDouble))) << mode_name;
+  }
+}
+
+TEST(StepModes, NormalModeCanSkipANonFiniteStep) {
+  auto plugin = registry().load_file("sgd.so");
+  at::Tensor a = at::ones({2}, at::kDouble).requires_grad_(true);
+  ParamGroup g;
+  g.params = {a};
+  StepOptions o;
+  o.non_finite = NonFinitePolicy::Skip;
+  std::vector<std::string> warnings;
+  o.warn = [&](const std::string& m) { warnings.push_back(m); };
+  auto mode = make_normal_step(plugin->create({g}, plugin->validate({})), o);
+  mode->backward((a * NAN).sum());
+  EXPECT_TRUE(mode->step().skipped);
+  EXPECT_TRUE(at::equal(a, at::ones({2}, at::kDouble)));
+  EXPECT_FALSE(a.grad().defined());
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_THROW(make_fused_backward(plugin->create({g}, plugin->validate({})), o), Error);
+}
+
+TEST(SplitParamGroups, SizePolicyBalancesBytesCountPolicyCountsTensors) {
+  // Uneven sizes: one big tensor among small ones.
+  auto o = at::TensorOptions().dtype(at::kFloat);
+  ParamGroup g;
+  for (int64_t n : {1000, 10, 10, 10, 10, 10, 10, 1000}) g.params.push_back(at::zeros({n}, o));
+  auto largest = [](const std::vector<std::vector<ParamGroup>>& s) {
+    int64_t m = 0;
+    for (auto& piece : s) {
+      int64_t b = 0;
+      for (auto& p : piece[0].params) b += p.numel();
+      m = std::max(m, b);
+    }
+    return m;
+  };
+  auto by_size = split_param_groups({g}, 4, SplitPolicy::Size);
+  auto by_count = split_param_groups({g}, 4, SplitPolicy::Count);
+  EXPECT_EQ(by_size.size(), 4u);
+  EXPECT_EQ(by_count.size(), 4u);
+  EXPECT_EQ(largest(by_size), 1000);
+  EXPECT_EQ(largest(by_count), 1010);
+  // Every tensor exactly once, in order.
+  size_t k = 0;
+  for (auto& piece : by_size)
+    for (auto& p : piece[0].params) EXPECT_TRUE(p.is_same(g.params[k++]));
+  EXPECT_EQ(k, g.params.size());
+  // More groups than tensors: clamped to one per tensor.
+  EXPECT_EQ(split_param_groups({g}, 100, SplitPolicy::Size).size(), g.params.size());
+  EXPECT_THROW(split_param_groups({g}, 0, SplitPolicy::Size), Error);
+}
+
+TEST(SplitParamGroups, DifferentLearningRatesNeverShareAGroup) {
+  ParamGroup a, b;
+  a.params = {at::zeros({4}), at::zeros({4})};
+  a.lr = 0.1;
+  b.params = {at::zeros({4})};
+  b.lr = 0.2;
+  for (SplitPolicy policy : {SplitPolicy::Size, SplitPolicy::Count}) {
+    auto s = split_param_groups({a, b}, 1, policy);
+    ASSERT_EQ(s.size(), 2u);
+    EXPECT_EQ(s[0][0].lr, 0.1);
+    EXPECT_EQ(s[1][0].lr, 0.2);
+  }
+}
+
+TEST(LrScheduler, DrivesEveryGroupAndStepKUsesTheLrAfterKMinusOneSteps) {
+  auto plugin = registry().load_file("sgd.so");
+  TinyLm model;
+  HyperParams hp = plugin->validate({});
+  auto mode =
+      make_optimizer_groups(model.groups(0.1), 3, SplitPolicy::Size,
+                            [&](std::vector<ParamGroup> g) { return plugin->create(g, hp); });
+  SchedulerOptions so;
+  so.type = "linear";
+  so.warmup_steps = 2;
+  so.total_steps = 10;
+  LrScheduler sched(mode->optimizers(), so);
+  EXPECT_EQ(sched.lrs(), std::vector<double>(3, 0.0));  // warm-up starts at 0
+  sched.step();
+  EXPECT_EQ(sched.lrs(), std::vector<double>(3, 0.05));
+  sched.set_step_count(6);
+  for (double lr : sched.lrs()) EXPECT_NEAR(lr, 0.1 * 4.0 / 8.0, 1e-15);
+  EXPECT_THROW(LrScheduler(mode->optimizers(), SchedulerOptions{"cosin"}), Error);
+}
+
+TEST(LrScheduler, ShapesMatchTheirDefinitions) {
+  ParamGroup g;
+  g.params = {at::zeros({1}).requires_grad_(true)};
+  g.lr = 1.0;
+  auto plugin = registry().load_file("sgd.so");
+  auto at_step = [&](SchedulerOptions so, int64_t k) {
+    // A fresh optimizer each time: a scheduler takes the current lr as its base lr.
+    LrScheduler s({plugin->create({g}, plugin->validate({}))}, so);
+    s.set_step_count(k);
+    return s.lrs()[0];
+  };
+  SchedulerOptions cos{"cosine", 0, 10};
+  EXPECT_NEAR(at_step(cos, 5), 0.5, 1e-12);
+  EXPECT_NEAR(at_step(cos, 10), 0.0, 1e-12);
+  SchedulerOptions restarts{"cosine_with_restarts", 0, 10, 2};
+  EXPECT_NEAR(at_step(restarts, 5), 1.0, 1e-12);  // second cycle starts at full lr
+  SchedulerOptions poly{"polynomial", 0, 10, 1, 2.0, 0.0};
+  EXPECT_NEAR(at_step(poly, 5), 0.25, 1e-12);
+  SchedulerOptions warm{"constant_with_warmup", 4, 10};
+  EXPECT_NEAR(at_step(warm, 1), 0.25, 1e-12);
+  EXPECT_NEAR(at_step(warm, 7), 1.0, 1e-12);
+}
