@@ -1,0 +1,213 @@
+#include "app.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include "checkpoint.h"
+#include "config.h"
+#include "describe.h"
+#include "fusebox/core/memory_tracker.h"
+#include "fusebox/core/suggest.h"
+#include "options.h"
+#include "run.h"
+#include "toml_io.h"
+
+#ifndef FUSEBOX_VERSION
+#define FUSEBOX_VERSION "unknown"
+#endif
+
+namespace fusebox::trainer {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct PlannedRun {
+  TrainConfig config;
+  std::shared_ptr<LoadedPlugin> plugin;
+  HyperParams hyperparams;
+};
+
+LoaderOptions loader_options(const std::vector<std::string>& dirs, bool allow_insecure) {
+  LoaderOptions lo;
+  for (const auto& d : dirs) lo.plugin_dirs.emplace_back(d);
+  lo.allow_insecure = allow_insecure;
+  return lo;
+}
+
+LoaderOptions loader_options(const Layer& l) {
+  return loader_options(std::get<std::vector<std::string>>(l.values.at("plugin-dir").value),
+                        std::get<bool>(l.values.at("allow-insecure-plugins").value));
+}
+
+bool looks_like_file(const std::string& s) {
+  return s.find('/') != std::string::npos ||
+         (s.size() > 3 && s.compare(s.size() - 3, 3, ".so") == 0);
+}
+
+std::shared_ptr<LoadedPlugin> load_plugin(const TrainConfig& c) {
+  PluginRegistry registry(loader_options(c.plugin_dirs, c.allow_insecure_plugins));
+  return c.optimizer_plugin ? registry.load_file(*c.optimizer_plugin)
+                            : registry.load_by_name(*c.optimizer);
+}
+
+// Gives command-line text arguments their schema type, so a printed config has typed values.
+UserArgs typed_args(const UserArgs& args, const LoadedPlugin* plugin) {
+  UserArgs out = args;
+  if (!plugin) return out;
+  for (auto& [key, a] : out) {
+    const HyperParamSpec* spec = plugin->schema().find(key);
+    if (!spec || !std::holds_alternative<std::monostate>(a.value) || a.text.empty()) continue;
+    try {
+      a.value = parse_value(*spec, a.text);
+      if (std::holds_alternative<std::monostate>(a.value)) continue;  // "none" stays text
+      a.text.clear();
+    } catch (const Error&) {
+    }
+  }
+  return out;
+}
+
+std::string run_output_dir(const std::string& dir, const std::string& name) {
+  if (dir.empty() || name.empty()) return dir;
+  return (fs::path(dir) / name).string();
+}
+
+std::string run_model_path(const std::string& path, const std::string& name) {
+  if (name.empty()) return path;
+  fs::path p(path);
+  return (p.parent_path() / (p.stem().string() + "-" + name + p.extension().string())).string();
+}
+
+int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& err, bool terminal) {
+  memory::install_cpu_tracking();
+  CommandLine cl = parse_command_line(args);
+  if (cl.help) {
+    out << help_text();
+    return kExitOk;
+  }
+  if (cl.version) {
+    out << "trainer (fusebox) " << FUSEBOX_VERSION << ", plugin API " << FUSEBOX_API_MAJOR << "."
+        << FUSEBOX_API_MINOR << ", LibTorch " << TORCH_VERSION << "\n";
+    return kExitOk;
+  }
+
+  ConfigFile file;
+  if (cl.config) file = read_config_file(*cl.config);
+  Layer base = default_layer();
+  base.overlay(file.base);
+  Layer top = base;
+  top.overlay(cl.layer);
+
+  if (cl.list_plugins) {
+    PluginRegistry registry(loader_options(top));
+    out << list_plugins_text(registry);
+    return kExitOk;
+  }
+  if (cl.describe_plugin) {
+    PluginRegistry registry(loader_options(top));
+    const std::string& spec = *cl.describe_plugin;
+    auto plugin = looks_like_file(spec) ? registry.load_file(spec) : registry.load_by_name(spec);
+    out << describe_plugin_text(*plugin);
+    return kExitOk;
+  }
+
+  // The runs to train: one, or the selected [[runs]] entries.
+  std::vector<RunEntry> entries = file.runs;
+  if (!cl.runs.empty()) {
+    if (entries.empty()) throw Error("--run: the config has no [[runs]] to choose from");
+    std::vector<std::string> names;
+    for (const auto& e : entries) names.push_back(e.name);
+    std::set<std::string> wanted(cl.runs.begin(), cl.runs.end());
+    for (const auto& w : wanted)
+      if (std::find(names.begin(), names.end(), w) == names.end())
+        throw Error("--run: no run is named '" + w + "'" + did_you_mean(w, names));
+    std::vector<RunEntry> kept;
+    for (const auto& e : entries)
+      if (wanted.count(e.name)) kept.push_back(e);
+    entries = kept;
+  }
+  if (entries.empty()) entries.push_back(RunEntry{});
+
+  // Everything is checked, for every run, before any work starts.
+  std::vector<PlannedRun> plan;
+  for (const auto& e : entries) {
+    Layer merged = base;
+    merged.overlay(e.layer);
+    merged.overlay(cl.layer);
+    PlannedRun p;
+    try {
+      p.config = resolve_config(merged, e.name);
+      p.plugin = load_plugin(p.config);
+      p.hyperparams = plugin_hyperparams(p.config, *p.plugin);
+      check_checkpoint_options(p.config);
+    } catch (const Error& ex) {
+      if (e.name.empty() || file.runs.size() < 2) throw;
+      throw Error("run '" + e.name + "': " + ex.what());
+    }
+    plan.push_back(std::move(p));
+  }
+
+  if (cl.print_config) {
+    // The command line folds into the top level; runs keep only what it does not override.
+    Layer printed = top;
+    printed.optimizer_args = typed_args(top.optimizer_args, plan.front().plugin.get());
+    std::vector<RunEntry> runs;
+    for (size_t i = 0; i < entries.size() && !file.runs.empty(); ++i) {
+      RunEntry r = entries[i];
+      for (const auto& [k, v] : cl.layer.values) r.layer.values.erase(k);
+      for (const auto& [k, v] : cl.layer.optimizer_args) r.layer.optimizer_args.erase(k);
+      r.layer.optimizer_args = typed_args(r.layer.optimizer_args, plan[i].plugin.get());
+      runs.push_back(r);
+    }
+    out << write_config(printed, runs);
+    return kExitOk;
+  }
+
+  for (auto& p : plan) {
+    check_runtime(p.config, err);
+    p.config.output_dir = run_output_dir(p.config.output_dir, p.config.name);
+    if (p.config.save_model)
+      p.config.save_model = run_model_path(*p.config.save_model, p.config.name);
+  }
+
+  Console console{out, err, terminal};
+  std::vector<RunSummary> summaries;
+  for (auto& p : plan) {
+    RunSummary s = run_training(p.config, *p.plugin, p.hyperparams, console);
+    out << summary_text(s);
+    summaries.push_back(s);
+  }
+  if (summaries.size() > 1) {
+    const std::string table = comparison_table(summaries);
+    out << "\n" << table;
+    const std::string dir = std::get<std::string>(top.values.at("output-dir").value);
+    if (!dir.empty()) write_file_atomically((fs::path(dir) / "comparison.txt").string(), table);
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err,
+                 bool terminal) {
+  try {
+    return run(args, out, err, terminal);
+  } catch (const TrainingFailed& e) {
+    out.flush();
+    err << "trainer: error: " << e.what() << "\n";
+    return kExitTraining;
+  } catch (const Error& e) {
+    out.flush();
+    err << "trainer: error: " << e.what() << "\n";
+    return kExitUsage;
+  } catch (const std::exception& e) {
+    out.flush();
+    std::string msg = e.what();
+    err << "trainer: error: internal: " << msg.substr(0, msg.find('\n')) << "\n";
+    return kExitInternal;
+  }
+}
+
+}  // namespace fusebox::trainer

@@ -1,0 +1,190 @@
+#include "config.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "fusebox/core/suggest.h"
+#include "fusebox/error.h"
+
+namespace fusebox::trainer {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+class Reader {
+ public:
+  explicit Reader(const Layer& l) : layer_(l) {}
+  bool has(const std::string& name) const { return layer_.values.count(name) != 0; }
+  const Setting& setting(const std::string& name) const {
+    auto it = layer_.values.find(name);
+    if (it == layer_.values.end()) throw Error("internal: option --" + name + " has no value");
+    return it->second;
+  }
+  template <class T>
+  T get(const std::string& name) const {
+    return std::get<T>(setting(name).value);
+  }
+  template <class T>
+  std::optional<T> maybe(const std::string& name) const {
+    if (!has(name)) return std::nullopt;
+    return get<T>(name);
+  }
+  /// "--x" or "run.toml:3:1: x", for messages.
+  std::string label(const std::string& name) const {
+    return origin_label(name, has(name) ? setting(name).where : "");
+  }
+
+ private:
+  const Layer& layer_;
+};
+
+void check_readable_file(const std::string& label, const std::string& path, const char* what) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw Error(label + ": " + what + " " + path + " does not exist");
+  if (fs::is_directory(path, ec)) throw Error(label + ": " + what + " " + path + " is a folder");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(label + ": " + what + " " + path + " cannot be read");
+}
+
+}  // namespace
+
+std::string TrainConfig::mode() const {
+  if (fused_backward_pass) return "fused";
+  if (fused_optimizer_groups > 0) return "groups";
+  return "normal";
+}
+
+TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
+  Reader r(merged);
+  TrainConfig c;
+  c.name = run_name;
+
+  c.optimizer_plugin = r.maybe<std::string>("optimizer-plugin");
+  c.optimizer = r.maybe<std::string>("optimizer");
+  if (c.optimizer_plugin && c.optimizer)
+    throw Error(r.label("optimizer") + ": cannot be combined with --optimizer-plugin; give one");
+  if (!c.optimizer_plugin && !c.optimizer)
+    throw Error(
+        "no optimizer: give --optimizer-plugin PATH|FILE or --optimizer NAME "
+        "(trainer --list-plugins shows what is installed)");
+  if ((c.optimizer_plugin && c.optimizer_plugin->empty()) || (c.optimizer && c.optimizer->empty()))
+    throw Error(r.label(c.optimizer ? "optimizer" : "optimizer-plugin") + ": must not be empty");
+  c.plugin_dirs = r.get<std::vector<std::string>>("plugin-dir");
+  c.allow_insecure_plugins = r.get<bool>("allow-insecure-plugins");
+  c.optimizer_args = merged.optimizer_args;
+
+  c.learning_rate = r.maybe<double>("learning-rate");
+  if (c.learning_rate) {
+    c.learning_rate_where = r.label("learning-rate");
+    auto it = c.optimizer_args.find("lr");
+    if (it != c.optimizer_args.end())
+      throw Error(c.learning_rate_where +
+                  ": the learning rate is also given as optimizer argument "
+                  "lr (" +
+                  it->second.where + "); give it once");
+  }
+  c.lr_scheduler = r.get<std::string>("lr-scheduler");
+  c.lr_scheduler_power = r.get<double>("lr-scheduler-power");
+  c.lr_scheduler_num_cycles = r.get<double>("lr-scheduler-num-cycles");
+  c.lr_warmup_steps = r.get<int64_t>("lr-warmup-steps");
+  c.max_train_steps = r.get<int64_t>("max-train-steps");
+  c.train_batch_size = r.get<int64_t>("train-batch-size");
+  c.gradient_accumulation_steps = r.get<int64_t>("gradient-accumulation-steps");
+  c.max_grad_norm = r.get<double>("max-grad-norm");
+  c.fused_backward_pass = r.get<bool>("fused-backward-pass");
+  c.fused_optimizer_groups = r.maybe<int64_t>("fused-optimizer-groups").value_or(0);
+  c.fused_optimizer_groups_split = r.get<std::string>("fused-optimizer-groups-split");
+
+  const bool grouped = r.has("fused-optimizer-groups");
+  if (c.fused_backward_pass && grouped)
+    throw Error(r.label("fused-optimizer-groups") +
+                ": cannot be combined with --fused-backward-pass; choose one of the two modes");
+  if (c.gradient_accumulation_steps > 1 && (c.fused_backward_pass || grouped)) {
+    const std::string mode =
+        c.fused_backward_pass ? "--fused-backward-pass" : "--fused-optimizer-groups";
+    throw Error(r.label("gradient-accumulation-steps") + ": " +
+                std::to_string(c.gradient_accumulation_steps) + " cannot be used with " + mode +
+                ": parameters are updated during backward, so gradients cannot accumulate");
+  }
+
+  c.mixed_precision = r.get<std::string>("mixed-precision");
+  c.full_bf16 = r.get<bool>("full-bf16");
+  c.dtype = r.get<std::string>("dtype");
+  c.device = r.get<std::string>("device");
+  c.seed = r.get<int64_t>("seed");
+  c.threads = r.get<int64_t>("threads");
+  if (c.full_bf16 && c.mixed_precision == "fp16")
+    throw Error(r.label("full-bf16") + ": cannot be combined with --mixed-precision fp16");
+  if (c.full_bf16 && c.dtype == "float64")
+    throw Error(r.label("full-bf16") + ": cannot be combined with --dtype float64");
+  if (c.mixed_precision != "no" && c.dtype == "float64")
+    throw Error(r.label("mixed-precision") + ": " + c.mixed_precision +
+                " cannot be combined with --dtype float64");
+
+  c.model = r.get<std::string>("model");
+  c.model_width = r.get<int64_t>("model-width");
+  c.model_depth = r.get<int64_t>("model-depth");
+  c.model_heads = r.get<int64_t>("model-heads");
+  c.seq_len = r.get<int64_t>("seq-len");
+  c.vocab_size = r.get<int64_t>("vocab-size");
+  c.image_size = r.get<int64_t>("image-size");
+  c.model_script = r.maybe<std::string>("model-script");
+  if (c.model_script) check_readable_file(r.label("model-script"), *c.model_script, "file");
+  if (!c.model_script) {
+    if (c.model == "transformer" && c.model_width % c.model_heads != 0)
+      throw Error(r.label("model-heads") + ": " + std::to_string(c.model_heads) +
+                  " does not divide --model-width " + std::to_string(c.model_width));
+    const int64_t factor = int64_t{1} << std::min<int64_t>(c.model_depth - 1, 20);
+    if (c.model == "denoiser" && c.image_size % factor != 0)
+      throw Error(r.label("image-size") + ": " + std::to_string(c.image_size) +
+                  " must be divisible by " + std::to_string(factor) + " (2^(model-depth - 1))");
+  }
+
+  const std::string dataset = r.get<std::string>("dataset");
+  const std::string dlabel = r.label("dataset");
+  if (dataset == "synthetic" || dataset == "none") {
+    c.dataset = dataset;
+  } else if (dataset.rfind("text:", 0) == 0) {
+    c.dataset = "text";
+    c.dataset_path = dataset.substr(5);
+    if (c.dataset_path.empty()) throw Error(dlabel + ": text: needs a path (text:PATH)");
+    check_readable_file(dlabel, c.dataset_path, "text file");
+  } else {
+    std::string hint = did_you_mean(dataset, {"synthetic", "none", "text:PATH"});
+    throw Error(dlabel + ": '" + dataset + "' is not synthetic, none or text:PATH" + hint);
+  }
+  if (!c.model_script) {
+    if (c.dataset == "none")
+      throw Error(dlabel + ": the built-in " + c.model +
+                  " model needs data; none is for --model-script");
+    if (c.dataset == "text" && c.model != "transformer")
+      throw Error(dlabel + ": text data is for the transformer model, not " + c.model);
+  }
+
+  c.output_dir = r.get<std::string>("output-dir");
+  c.log_every = r.get<int64_t>("log-every");
+  c.save_every_n_steps = r.get<int64_t>("save-every-n-steps");
+  c.keep_last_n_checkpoints = r.get<int64_t>("keep-last-n-checkpoints");
+  c.resume = r.maybe<std::string>("resume");
+  c.save_model = r.maybe<std::string>("save-model");
+  if (c.resume) {
+    if (c.resume->empty()) throw Error(r.label("resume") + ": must not be empty");
+    std::error_code ec;
+    if (*c.resume != "latest" && !fs::exists(*c.resume, ec))
+      throw Error(r.label("resume") + ": checkpoint " + *c.resume + " does not exist");
+  }
+  if ((c.save_every_n_steps > 0 || (c.resume && *c.resume == "latest")) && c.output_dir.empty())
+    throw Error(r.label(c.resume ? "resume" : "save-every-n-steps") +
+                ": checkpoints live in --output-dir, which is empty");
+  if (c.save_model) {
+    if (c.save_model->empty()) throw Error(r.label("save-model") + ": must not be empty");
+    fs::path parent = fs::path(*c.save_model).parent_path();
+    std::error_code ec;
+    if (!parent.empty() && !fs::is_directory(parent, ec))
+      throw Error(r.label("save-model") + ": folder " + parent.string() + " does not exist");
+  }
+  return c;
+}
+
+}  // namespace fusebox::trainer

@@ -1,0 +1,62 @@
+// The resolved, typed configuration of one training run, and the checks that need no plugin.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "options.h"
+
+namespace fusebox::trainer {
+
+/// Everything one run needs, with defaults applied and values checked.
+struct TrainConfig {
+  std::string name;  ///< run name ("" for a single run)
+
+  // Optimizer plugin.
+  std::optional<std::string> optimizer_plugin, optimizer;
+  std::vector<std::string> plugin_dirs;
+  bool allow_insecure_plugins = false;
+  UserArgs optimizer_args;  ///< as given (config and command line merged)
+
+  // Optimization.
+  std::optional<double> learning_rate;
+  std::string learning_rate_where;
+  std::string lr_scheduler;
+  double lr_scheduler_power = 1, lr_scheduler_num_cycles = 1;
+  int64_t lr_warmup_steps = 0, max_train_steps = 1, train_batch_size = 1;
+  int64_t gradient_accumulation_steps = 1;
+  double max_grad_norm = 0;
+  bool fused_backward_pass = false;
+  int64_t fused_optimizer_groups = 0;  ///< 0: not grouped
+  std::string fused_optimizer_groups_split;
+
+  // Precision and device.
+  std::string mixed_precision, dtype, device;
+  bool full_bf16 = false;
+  int64_t seed = 0, threads = 1;
+
+  // Model and data.
+  std::string model;
+  int64_t model_width = 0, model_depth = 0, model_heads = 0, seq_len = 0, vocab_size = 0;
+  int64_t image_size = 0;
+  std::optional<std::string> model_script;
+  std::string dataset;       ///< "synthetic", "none" or "text"
+  std::string dataset_path;  ///< for "text"
+
+  // Output.
+  std::string output_dir;
+  int64_t log_every = 0, save_every_n_steps = 0, keep_last_n_checkpoints = 0;
+  std::optional<std::string> resume, save_model;
+
+  /// "normal", "fused" or "groups".
+  std::string mode() const;
+};
+
+/// Builds and checks a run's config from fully merged settings (defaults at the bottom).
+/// Throws Error naming the option and where it was set: bad values, forbidden combinations,
+/// missing files.
+TrainConfig resolve_config(const Layer& merged, const std::string& run_name);
+
+}  // namespace fusebox::trainer

@@ -1,0 +1,174 @@
+#include "data.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+#include <fstream>
+#include <iterator>
+
+#include "fusebox/error.h"
+
+namespace fusebox::trainer {
+
+namespace {
+
+// The data stream gets its own generator so model initialisation and data do not interfere.
+at::Generator data_generator(int64_t seed) {
+  return at::detail::createCPUGenerator(static_cast<uint64_t>(seed) * 2654435761u + 17);
+}
+
+const at::TensorOptions kFloat = at::TensorOptions().dtype(at::kFloat);
+const at::TensorOptions kLong = at::TensorOptions().dtype(at::kLong);
+
+class MlpData : public DataSource {
+ public:
+  MlpData(int64_t batch, int64_t width, int64_t seed) : batch_(batch), gen_(data_generator(seed)) {
+    teacher_in_ = at::randn({width, width}, gen_, kFloat) / std::sqrt(static_cast<double>(width));
+    teacher_out_ = at::randn({width, 1}, gen_, kFloat) / std::sqrt(static_cast<double>(width));
+  }
+  Batch next() override {
+    Batch b;
+    b.input = at::randn({batch_, teacher_in_.size(0)}, gen_, kFloat);
+    b.target = at::tanh(b.input.matmul(teacher_in_)).matmul(teacher_out_) * 2.0;
+    return b;
+  }
+  std::string describe() const override { return "synthetic regression (fixed random teacher)"; }
+
+ private:
+  int64_t batch_;
+  at::Generator gen_;
+  at::Tensor teacher_in_, teacher_out_;
+};
+
+class SequenceData : public DataSource {
+ public:
+  SequenceData(int64_t batch, int64_t seq_len, int64_t vocab, int64_t seed)
+      : batch_(batch), seq_len_(seq_len), vocab_(vocab), gen_(data_generator(seed)) {
+    perm_ = at::randperm(vocab, gen_, kLong);
+  }
+  Batch next() override {
+    at::Tensor seq = at::empty({batch_, seq_len_ + 1}, kLong);
+    at::Tensor cur = at::randint(vocab_, {batch_}, gen_, kLong);
+    for (int64_t i = 0; i <= seq_len_; ++i) {
+      seq.select(1, i).copy_(cur);
+      cur = perm_.index_select(0, cur);
+    }
+    return Batch{seq.slice(1, 0, seq_len_), seq.slice(1, 1, seq_len_ + 1), {}, {}};
+  }
+  std::string describe() const override {
+    return "synthetic token sequences (vocabulary " + std::to_string(vocab_) + ")";
+  }
+
+ private:
+  int64_t batch_, seq_len_, vocab_;
+  at::Generator gen_;
+  at::Tensor perm_;
+};
+
+class TextData : public DataSource {
+ public:
+  TextData(const std::string& path, int64_t batch, int64_t window, int64_t seed, bool split)
+      : path_(path), batch_(batch), window_(window), split_(split), gen_(data_generator(seed)) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw Error("text file " + path + " cannot be read");
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (in.bad()) throw Error("text file " + path + " cannot be read");
+    if (static_cast<int64_t>(bytes.size()) < window + 2)
+      throw Error("text file " + path + " has " + std::to_string(bytes.size()) +
+                  " bytes; --seq-len " + std::to_string(window - 1) + " needs at least " +
+                  std::to_string(window + 2));
+    tokens_ = at::empty({static_cast<int64_t>(bytes.size())}, kLong);
+    auto* p = tokens_.data_ptr<int64_t>();
+    for (size_t i = 0; i < bytes.size(); ++i) p[i] = static_cast<unsigned char>(bytes[i]);
+  }
+  Batch next() override {
+    at::Tensor starts = at::randint(tokens_.size(0) - window_ + 1, {batch_}, gen_, kLong);
+    at::Tensor idx = starts.unsqueeze(1) + at::arange(window_, kLong).unsqueeze(0);
+    at::Tensor seq = tokens_.index_select(0, idx.reshape({-1})).reshape({batch_, window_});
+    if (!split_) return Batch{seq, {}, {}, {}};
+    return Batch{seq.slice(1, 0, window_ - 1), seq.slice(1, 1, window_), {}, {}};
+  }
+  std::string describe() const override {
+    return "text " + path_ + " (" + std::to_string(tokens_.size(0)) + " bytes)";
+  }
+
+ private:
+  std::string path_;
+  int64_t batch_, window_;
+  bool split_;
+  at::Generator gen_;
+  at::Tensor tokens_;
+};
+
+class ImageData : public DataSource {
+ public:
+  ImageData(int64_t batch, int64_t size, int64_t seed)
+      : batch_(batch), size_(size), gen_(data_generator(seed)) {}
+  // Sums of three low-frequency plane waves per channel: smooth images a small UNet can learn.
+  Batch next() override {
+    const double two_pi = 2 * M_PI;
+    at::Tensor coord = at::arange(size_, kFloat) / static_cast<double>(size_);
+    at::Tensor ys = coord.view({1, 1, size_, 1}), xs = coord.view({1, 1, 1, size_});
+    at::Tensor img = at::zeros({batch_, kImageChannels, size_, size_}, kFloat);
+    for (int k = 0; k < 3; ++k) {
+      at::Tensor fx = at::randint(0, 3, {batch_, 1, 1, 1}, gen_, kFloat);
+      at::Tensor fy = at::randint(0, 3, {batch_, 1, 1, 1}, gen_, kFloat);
+      at::Tensor phase = at::rand({batch_, kImageChannels, 1, 1}, gen_, kFloat) * two_pi;
+      at::Tensor amp = at::rand({batch_, kImageChannels, 1, 1}, gen_, kFloat) * 0.4 + 0.2;
+      img += amp * at::sin(two_pi * (fx * xs + fy * ys) + phase);
+    }
+    Batch b;
+    b.input = img.clamp(-1, 1);
+    b.noise = at::randn(img.sizes(), gen_, kFloat);
+    b.timesteps = at::randint(kDiffusionSteps, {batch_}, gen_, kLong);
+    return b;
+  }
+  std::string describe() const override {
+    return "synthetic " + std::to_string(size_) + "x" + std::to_string(size_) +
+           " images with diffusion noise";
+  }
+
+ private:
+  int64_t batch_, size_;
+  at::Generator gen_;
+};
+
+class GaussianData : public DataSource {
+ public:
+  GaussianData(int64_t batch, int64_t width, int64_t seed)
+      : batch_(batch), width_(width), gen_(data_generator(seed)) {}
+  Batch next() override { return Batch{at::randn({batch_, width_}, gen_, kFloat), {}, {}, {}}; }
+  std::string describe() const override { return "synthetic N(0, 1) features"; }
+
+ private:
+  int64_t batch_, width_;
+  at::Generator gen_;
+};
+
+class NoData : public DataSource {
+ public:
+  Batch next() override { return Batch{at::empty({0}, kFloat), {}, {}, {}}; }
+  std::string describe() const override { return "none"; }
+};
+
+}  // namespace
+
+std::unique_ptr<DataSource> make_data(const TrainConfig& c) {
+  const int64_t b = c.train_batch_size;
+  if (c.dataset == "none") return std::make_unique<NoData>();
+  if (c.model_script) {
+    if (c.dataset == "text")
+      return std::make_unique<TextData>(c.dataset_path, b, c.seq_len + 1, c.seed, false);
+    return std::make_unique<GaussianData>(b, c.model_width, c.seed);
+  }
+  if (c.model == "transformer") {
+    if (c.dataset == "text")
+      return std::make_unique<TextData>(c.dataset_path, b, c.seq_len + 1, c.seed, true);
+    return std::make_unique<SequenceData>(b, c.seq_len, c.vocab_size, c.seed);
+  }
+  if (c.model == "denoiser") return std::make_unique<ImageData>(b, c.image_size, c.seed);
+  return std::make_unique<MlpData>(b, c.model_width, c.seed);
+}
+
+}  // namespace fusebox::trainer

@@ -1,0 +1,35 @@
+// Training data: deterministic synthetic batches for each built-in model, byte-level text for
+// the transformer, or nothing (a script model that makes its own data).
+//
+// Batches are made on the CPU in float32 / int64; the run loop moves them to the device and dtype.
+//   mlp:         input [B, width] ~ N(0, 1), target [B, 1] from a fixed random teacher network
+//   transformer: input [B, seq_len] tokens, target = the next tokens; synthetic sequences follow a
+//                fixed random permutation of the vocabulary (tok[i+1] = perm[tok[i]]), text data
+//                are random windows of the file's bytes
+//   denoiser:    input [B, 3, S, S] smooth random images in [-1, 1], noise ~ N(0, 1), timesteps
+//   script:      synthetic: input [B, width] ~ N(0, 1); text: tokens [B, seq_len + 1]; none: an
+//                empty tensor
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "config.h"
+#include "model.h"
+
+namespace fusebox::trainer {
+
+/// An endless stream of batches.
+class DataSource {
+ public:
+  virtual ~DataSource() = default;
+  /// The next batch (deterministic for a given seed).
+  virtual Batch next() = 0;
+  /// One line describing the data.
+  virtual std::string describe() const = 0;
+};
+
+/// The data for `config`'s model and dataset; throws Error naming an unreadable file.
+std::unique_ptr<DataSource> make_data(const TrainConfig& config);
+
+}  // namespace fusebox::trainer

@@ -1,0 +1,71 @@
+// Models the trainer can train: built-in MLP, transformer LM and UNet-style denoiser, or a
+// TorchScript module whose forward returns the loss.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fusebox/optimizer.h"
+
+namespace fusebox::trainer {
+
+/// One training batch. Which fields are set depends on the model (see data.h).
+struct Batch {
+  at::Tensor input;      ///< features, tokens, clean images, or the script's argument
+  at::Tensor target;     ///< regression targets or next tokens
+  at::Tensor noise;      ///< denoiser: the noise to add and predict
+  at::Tensor timesteps;  ///< denoiser: diffusion step per sample
+};
+
+/// Sizes of the built-in models.
+struct ModelOptions {
+  std::string kind = "mlp";  ///< mlp, transformer, denoiser
+  int64_t width = 64, depth = 2, heads = 4, seq_len = 64, vocab_size = 256, image_size = 16;
+  c10::Device device = c10::Device(c10::kCPU);
+  c10::ScalarType dtype = c10::kFloat;
+};
+
+/// Image channels of the denoiser and its data.
+constexpr int64_t kImageChannels = 3;
+/// Diffusion steps of the denoiser's noise schedule.
+constexpr int64_t kDiffusionSteps = 1000;
+
+/// A trainable model.
+class Model {
+ public:
+  virtual ~Model() = default;
+  /// Every trainable tensor once (tied weights appear once), with dotted names.
+  virtual std::vector<std::pair<std::string, at::Tensor>> parameters() = 0;
+  /// The scalar training loss of `batch`.
+  virtual at::Tensor loss(const Batch& batch) = 0;
+  /// One line: kind, sizes, parameter count.
+  virtual std::string describe() = 0;
+  /// Writes the parameters to `path` (written to a temporary file, then renamed).
+  virtual void save(const std::string& path) = 0;
+};
+
+/// Builds a built-in model (initialised from the current global seed).
+std::unique_ptr<Model> make_builtin_model(const ModelOptions& options);
+
+/// Loads a TorchScript module; every parameter is made trainable. Throws Error naming the file.
+std::unique_ptr<Model> load_script_model(const std::string& path, c10::Device device,
+                                         c10::ScalarType dtype);
+
+/// All parameters of `model` in one group, named, with the plugin's lr (NaN).
+std::vector<ParamGroup> param_groups(Model& model);
+
+/// Keeps the first occurrence of each tensor (by storage identity of the TensorImpl).
+std::vector<std::pair<std::string, at::Tensor>> unique_parameters(
+    std::vector<std::pair<std::string, at::Tensor>> named);
+
+/// Total number of elements of `params`.
+int64_t count_elements(const std::vector<std::pair<std::string, at::Tensor>>& params);
+
+}  // namespace fusebox::trainer

@@ -1,0 +1,446 @@
+#include "options.h"
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include "fusebox/core/suggest.h"
+#include "fusebox/error.h"
+
+namespace fusebox::trainer {
+
+namespace po = boost::program_options;
+
+namespace {
+
+OptionSpec opt(std::string name, Kind kind, std::optional<OptValue> def, std::string help,
+               std::string metavar = "") {
+  OptionSpec s;
+  s.name = std::move(name), s.kind = kind, s.def = std::move(def), s.help = std::move(help);
+  s.metavar = std::move(metavar);
+  return s;
+}
+
+std::vector<OptionSpec> build_specs() {
+  std::vector<OptionSpec> v;
+  std::string section;
+  auto add = [&](OptionSpec s) -> OptionSpec& {
+    s.section = section;
+    v.push_back(std::move(s));
+    return v.back();
+  };
+  auto at_least = [](OptionSpec& s, double m) { s.min = m; };
+  auto choices = [](OptionSpec& s, std::vector<std::string> c) { s.choices = std::move(c); };
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+
+  section = "General";
+  add(opt("config", Kind::ActionArg, {}, "read options from this TOML file (the command line wins)",
+          "FILE"));
+  add(opt("run", Kind::ActionArg, {},
+          "with [[runs]] in the config: train only the run of this name (repeatable)", "NAME"));
+  add(opt("print-config", Kind::Action, {},
+          "print the fully resolved configuration as TOML and exit"));
+  add(opt("help", Kind::Action, {}, "print this help and exit"));
+  add(opt("version", Kind::Action, {}, "print the version and exit"));
+
+  section = "Optimizer plugin";
+  add(opt("optimizer-plugin", Kind::Text, {},
+          "plugin to load: a path (contains '/') or a file name in the plugin search path",
+          "PATH|FILE"));
+  add(opt("optimizer", Kind::Text, {}, "plugin to load by its name (e.g. sgd)", "NAME"));
+  add(opt("optimizer-args", Kind::TextList, {},
+          "plugin hyperparameters as key=value (TOML: an [optimizer_args] table)", "KEY=VALUE..."));
+  add(opt("plugin-dir", Kind::TextList, std::vector<std::string>{},
+          "folder searched for plugins before FUSEBOX_PLUGIN_PATH and the default (repeatable)",
+          "DIR"));
+  add(opt("allow-insecure-plugins", Kind::Flag, false,
+          "load plugin files or folders that are writable by group or others"));
+  add(opt("list-plugins", Kind::Action, {}, "list the plugins in the search path and exit"));
+  add(opt("describe-plugin", Kind::ActionArg, {},
+          "print a plugin's hyperparameters (type, default, range, help) and rules, and exit",
+          "NAME"));
+
+  section = "Optimization";
+  add(opt("learning-rate", Kind::Real, {},
+          "learning rate, passed to the plugin as hyperparameter lr (default: the plugin's own)",
+          "LR"));
+  choices(add(opt("lr-scheduler", Kind::Choice, std::string("constant"), "learning-rate schedule",
+                  "NAME")),
+          {"constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
+           "polynomial", "adafactor"});
+  add(opt("lr-scheduler-power", Kind::Real, 1.0, "polynomial schedule: exponent", "P"));
+  at_least(add(opt("lr-scheduler-num-cycles", Kind::Real, 1.0,
+                   "cosine_with_restarts: number of cycles", "N")),
+           0);
+  at_least(add(opt("lr-warmup-steps", Kind::Int, int64_t{0}, "linear warm-up steps", "N")), 0);
+  at_least(add(opt("max-train-steps", Kind::Int, int64_t{100}, "optimizer steps to train", "N")),
+           1);
+  at_least(add(opt("train-batch-size", Kind::Int, int64_t{8}, "samples per forward pass", "N")), 1);
+  at_least(add(opt("gradient-accumulation-steps", Kind::Int, int64_t{1},
+                   "forward/backward passes per optimizer step (normal mode only)", "N")),
+           1);
+  at_least(
+      add(opt("max-grad-norm", Kind::Real, 0.0,
+              "clip gradients to this norm (0: off); fused/groups clip each tensor alone", "X")),
+      0);
+  add(opt("fused-backward-pass", Kind::Flag, false,
+          "update each parameter inside backward as soon as its gradient is ready"));
+  at_least(add(opt("fused-optimizer-groups", Kind::Int, {},
+                   "split the parameters into N optimizers, each stepped inside backward (N >= 1)",
+                   "N")),
+           1);
+  choices(add(opt("fused-optimizer-groups-split", Kind::Choice, std::string("size"),
+                  "how groups are cut: balanced by bytes (size) or by tensor count (count)",
+                  "size|count")),
+          {"size", "count"});
+
+  section = "Precision and device";
+  choices(add(opt("mixed-precision", Kind::Choice, std::string("no"),
+                  "autocast the forward pass to bf16 or fp16 (fp16 has no CPU autocast)",
+                  "no|fp16|bf16")),
+          {"no", "fp16", "bf16"});
+  add(opt("full-bf16", Kind::Flag, false,
+          "keep the parameters in bf16 (stochastic rounding when the plugin offers it)"));
+  choices(add(opt("dtype", Kind::Choice, std::string("float32"), "parameter and data type",
+                  "float32|float64")),
+          {"float32", "float64"});
+  choices(add(opt("device", Kind::Choice, std::string("cpu"), "where to train", "cpu|cuda")),
+          {"cpu", "cuda"});
+  at_least(add(opt("seed", Kind::Int, int64_t{42}, "seed of model initialisation and data", "N")),
+           0);
+  at_least(
+      add(opt("threads", Kind::Int, cores, "intra-op CPU threads (default: the core count)", "N")),
+      1);
+
+  section = "Model";
+  choices(add(opt("model", Kind::Choice, std::string("mlp"), "built-in model to train",
+                  "mlp|transformer|denoiser")),
+          {"mlp", "transformer", "denoiser"});
+  at_least(add(opt("model-width", Kind::Int, int64_t{64},
+                   "hidden width (mlp, transformer) or base channels (denoiser)", "N")),
+           1);
+  at_least(
+      add(opt("model-depth", Kind::Int, int64_t{2},
+              "hidden layers (mlp), blocks (transformer) or resolution levels (denoiser)", "N")),
+      1);
+  at_least(add(opt("model-heads", Kind::Int, int64_t{4},
+                   "transformer: attention heads (must divide --model-width)", "N")),
+           1);
+  at_least(add(opt("seq-len", Kind::Int, int64_t{64}, "transformer: tokens per sequence", "N")), 2);
+  at_least(
+      add(opt("vocab-size", Kind::Int, int64_t{256},
+              "transformer: vocabulary of the synthetic data (text data uses 256 bytes)", "N")),
+      2);
+  at_least(add(opt("image-size", Kind::Int, int64_t{16},
+                   "denoiser: image side (divisible by 2^(model-depth - 1))", "N")),
+           4);
+  add(opt("model-script", Kind::Text, {},
+          "train a TorchScript module instead: forward(batch) returns the scalar loss", "FILE"));
+
+  section = "Data";
+  add(opt("dataset", Kind::Text, std::string("synthetic"),
+          "synthetic (from --seed), text:PATH (bytes as tokens, transformer/script) or none",
+          "SPEC"));
+
+  section = "Output";
+  add(opt("output-dir", Kind::Text, std::string("output"),
+          "metrics.jsonl, metrics.csv and summary.json go here (\"\": write no files)", "DIR"));
+  at_least(add(opt("log-every", Kind::Int, int64_t{10},
+                   "when not on a terminal: print a line every N steps (0: never)", "N")),
+           0);
+  at_least(add(opt("save-every-n-steps", Kind::Int, int64_t{0},
+                   "save a checkpoint every N steps (0: never)", "N")),
+           0);
+  at_least(add(opt("keep-last-n-checkpoints", Kind::Int, int64_t{0},
+                   "delete older checkpoints, keeping N (0: keep all)", "N")),
+           0);
+  add(opt("resume", Kind::Text, {}, "continue from a checkpoint folder, or the latest one",
+          "PATH|latest"));
+  add(opt("save-model", Kind::Text, {}, "write the trained parameters to this file", "PATH"));
+  return v;
+}
+
+bool parse_double(const std::string& t, double& out) {
+  if (t.empty() || std::isspace(static_cast<unsigned char>(t.front()))) return false;
+  char* end = nullptr;
+  errno = 0;
+  out = std::strtod(t.c_str(), &end);
+  return end == t.c_str() + t.size() && errno != ERANGE;
+}
+
+bool parse_int(const std::string& t, int64_t& out) {
+  if (t.empty() || std::isspace(static_cast<unsigned char>(t.front()))) return false;
+  char* end = nullptr;
+  errno = 0;
+  out = std::strtoll(t.c_str(), &end, 10);
+  return end == t.c_str() + t.size() && errno != ERANGE;
+}
+
+std::string option_names_hint(const std::string& word) {
+  std::vector<std::string> names;
+  for (const auto& s : option_specs()) names.push_back("--" + s.name);
+  return did_you_mean(word, names);
+}
+
+std::string value_text(const OptValue& v) {
+  if (auto* b = std::get_if<bool>(&v)) return *b ? "true" : "false";
+  if (auto* i = std::get_if<int64_t>(&v)) return std::to_string(*i);
+  if (auto* d = std::get_if<double>(&v)) return format_real(*d);
+  if (auto* s = std::get_if<std::string>(&v)) return s->empty() ? "\"\"" : *s;
+  const auto& list = std::get<std::vector<std::string>>(v);
+  std::string out;
+  for (const auto& s : list) out += (out.empty() ? "" : " ") + s;
+  return out.empty() ? "(none)" : out;
+}
+
+}  // namespace
+
+const std::vector<OptionSpec>& option_specs() {
+  static const std::vector<OptionSpec> specs = build_specs();
+  return specs;
+}
+
+const OptionSpec* find_option(const std::string& name) {
+  for (const auto& s : option_specs())
+    if (s.name == name) return &s;
+  return nullptr;
+}
+
+std::string snake(const std::string& k) {
+  std::string s = k;
+  std::replace(s.begin(), s.end(), '-', '_');
+  return s;
+}
+
+std::string kebab(const std::string& s) {
+  std::string k = s;
+  std::replace(k.begin(), k.end(), '_', '-');
+  return k;
+}
+
+bool is_config_key(const OptionSpec& spec) {
+  return spec.kind != Kind::Action && spec.kind != Kind::ActionArg && spec.name != "optimizer-args";
+}
+
+void Layer::overlay(const Layer& other) {
+  for (const auto& [k, v] : other.values) values[k] = v;
+  for (const auto& [k, v] : other.optimizer_args) optimizer_args[k] = v;
+}
+
+Layer default_layer() {
+  Layer l;
+  for (const auto& s : option_specs())
+    if (s.def && is_config_key(s)) l.values[s.name] = Setting{*s.def, ""};
+  return l;
+}
+
+std::string origin_label(const std::string& name, const std::string& where) {
+  if (where.empty() || where.rfind("--", 0) == 0) return "--" + name;
+  return where + ": " + snake(name);
+}
+
+void check_value(const OptionSpec& spec, const Setting& s) {
+  const std::string label = origin_label(spec.name, s.where);
+  if (spec.kind == Kind::Choice) {
+    const auto& v = std::get<std::string>(s.value);
+    if (std::find(spec.choices.begin(), spec.choices.end(), v) == spec.choices.end()) {
+      std::string list;
+      for (const auto& c : spec.choices) list += (list.empty() ? "" : ", ") + c;
+      throw Error(label + ": '" + v + "' is not one of " + list + did_you_mean(v, spec.choices));
+    }
+  }
+  double number = 0;
+  if (auto* i = std::get_if<int64_t>(&s.value))
+    number = static_cast<double>(*i);
+  else if (auto* d = std::get_if<double>(&s.value))
+    number = *d;
+  else
+    return;
+  if (std::isnan(number) || number < spec.min)
+    throw Error(label + ": must be at least " +
+                (spec.kind == Kind::Int ? std::to_string(static_cast<int64_t>(spec.min))
+                                        : format_real(spec.min)) +
+                ", got " + value_text(s.value));
+}
+
+OptValue parse_cli_value(const OptionSpec& spec, const std::string& text) {
+  const std::string label = "--" + spec.name;
+  switch (spec.kind) {
+    case Kind::Flag:
+      if (text == "true" || text == "1" || text == "yes") return true;
+      if (text == "false" || text == "0" || text == "no") return false;
+      throw Error(label + ": '" + text + "' is not true or false");
+    case Kind::Int: {
+      int64_t i;
+      if (!parse_int(text, i)) throw Error(label + ": '" + text + "' is not an integer");
+      return i;
+    }
+    case Kind::Real: {
+      double d;
+      if (!parse_double(text, d)) throw Error(label + ": '" + text + "' is not a number");
+      return d;
+    }
+    case Kind::TextList:
+      return std::vector<std::string>{text};
+    default:
+      return text;
+  }
+}
+
+std::string format_real(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, v);
+  std::string s(buf, r.ptr);
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+CommandLine parse_command_line(const std::vector<std::string>& args) {
+  po::options_description desc;
+  for (const auto& s : option_specs()) {
+    const char* name = s.name.c_str();
+    switch (s.kind) {
+      case Kind::Action:
+        if (s.name == "help")
+          desc.add_options()("help,h", po::bool_switch(), "");
+        else
+          desc.add_options()(name, po::bool_switch(), "");
+        break;
+      case Kind::Flag:
+        desc.add_options()(name, po::value<std::string>()->implicit_value("true"), "");
+        break;
+      case Kind::TextList:
+        if (s.name == "optimizer-args")
+          desc.add_options()(name, po::value<std::vector<std::string>>()->multitoken(), "");
+        else
+          desc.add_options()(name, po::value<std::vector<std::string>>(), "");
+        break;
+      default:
+        desc.add_options()(name, po::value<std::string>(), "");
+    }
+  }
+  po::parsed_options parsed(&desc);
+  try {
+    const int style = po::command_line_style::unix_style & ~po::command_line_style::allow_guessing;
+    parsed = po::command_line_parser(args).options(desc).style(style).run();
+  } catch (const po::unknown_option& e) {
+    const std::string bad = e.get_option_name();
+    std::string word = bad.substr(0, bad.find('='));
+    throw Error("unknown option '" + word + "'" + option_names_hint(word) + "; see trainer --help");
+  } catch (const po::too_many_positional_options_error&) {
+    std::string first;
+    for (const auto& a : args)
+      if (!a.empty() && a[0] != '-') {
+        first = a;
+        break;
+      }
+    throw Error("unexpected argument '" + first + "': options start with -- (see trainer --help)");
+  } catch (const po::error& e) {
+    throw Error(std::string("command line: ") + e.what());
+  }
+
+  CommandLine cl;
+  std::map<std::string, bool> list_started;
+  for (const auto& o : parsed.options) {
+    std::string name = o.string_key == "h" ? "help" : o.string_key;
+    const OptionSpec* spec = find_option(name);
+    if (!spec) throw Error("unknown option '--" + name + "'" + option_names_hint("--" + name));
+    const std::string label = "--" + name;
+    switch (spec->kind) {
+      case Kind::Action:
+        if (name == "help") cl.help = true;
+        if (name == "version") cl.version = true;
+        if (name == "list-plugins") cl.list_plugins = true;
+        if (name == "print-config") cl.print_config = true;
+        break;
+      case Kind::ActionArg: {
+        const std::string v = o.value.empty() ? "" : o.value.front();
+        if (v.empty()) throw Error(label + ": needs a value");
+        if (name == "config") cl.config = v;
+        if (name == "describe-plugin") cl.describe_plugin = v;
+        if (name == "run") cl.runs.push_back(v);
+        break;
+      }
+      case Kind::TextList:
+        if (name == "optimizer-args") {
+          if (o.value.empty()) throw Error(label + ": needs at least one key=value");
+          for (const auto& token : o.value) {
+            size_t eq = token.find('=');
+            if (eq == std::string::npos || eq == 0)
+              throw Error(label + ": '" + token + "' is not key=value");
+            UserArg a;
+            a.text = token.substr(eq + 1);
+            a.where = label;
+            if (a.text.empty()) throw Error(label + ": '" + token + "' has no value");
+            cl.layer.optimizer_args[token.substr(0, eq)] = a;
+          }
+        } else {
+          // Repeated occurrences accumulate; the command line replaces the config's list.
+          auto& setting = cl.layer.values[name];
+          if (!list_started[name]) setting = Setting{std::vector<std::string>{}, label};
+          list_started[name] = true;
+          for (const auto& token : o.value)
+            std::get<std::vector<std::string>>(setting.value).push_back(token);
+        }
+        break;
+      default: {
+        if (o.value.empty()) throw Error(label + ": needs a value");
+        Setting s{parse_cli_value(*spec, o.value.back()), label};
+        check_value(*spec, s);
+        cl.layer.values[name] = s;  // the last occurrence wins
+      }
+    }
+  }
+  return cl;
+}
+
+std::string help_text() {
+  std::ostringstream o;
+  o << "Usage: trainer [--config FILE] [options]\n"
+    << "Trains a model with an optimizer plugin, optionally fusing the optimizer step into the\n"
+    << "backward pass. Every option can also be set in the TOML config under its snake_case\n"
+    << "name (--max-train-steps -> max_train_steps); the command line overrides the config.\n";
+  std::string section;
+  for (const auto& s : option_specs()) {
+    if (s.section != section) {
+      section = s.section;
+      o << "\n" << section << ":\n";
+    }
+    std::string left = "  --" + s.name;
+    if (s.name == "help") left = "  -h, --help";
+    if (s.kind == Kind::Flag)
+      left += "[=true|false]";
+    else if (s.kind != Kind::Action)
+      left += " " + (s.metavar.empty() ? std::string("VALUE") : s.metavar);
+    o << left;
+    if (left.size() < 40)
+      o << std::string(40 - left.size(), ' ');
+    else
+      o << "\n" << std::string(40, ' ');
+    o << s.help;
+    if (s.kind == Kind::Choice) {
+      std::string list;
+      for (const auto& c : s.choices) list += (list.empty() ? "" : ", ") + c;
+      if (s.metavar.find('|') == std::string::npos) o << " (" << list << ")";
+    }
+    if (s.kind != Kind::Action && s.kind != Kind::ActionArg) {
+      if (s.def)
+        o << " [default: " << value_text(*s.def) << "]";
+      else if (s.kind != Kind::TextList)
+        o << " [default: unset]";
+    }
+    o << "\n";
+  }
+  o << "\nExit status: 0 success, 2 configuration or usage error, 3 training failed,\n"
+    << "1 unexpected internal error. Errors are one line on stderr.\n";
+  return o.str();
+}
+
+}  // namespace fusebox::trainer

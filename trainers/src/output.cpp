@@ -1,0 +1,235 @@
+#include "output.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iomanip>
+#include <memory>
+#include <sstream>
+
+#include "fusebox/core/memory_tracker.h"
+#include "fusebox/error.h"
+#include "options.h"
+
+namespace fusebox::trainer {
+
+namespace fs = std::filesystem;
+
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
+  tmp_ = path_ + ".tmp." + std::to_string(::getpid());
+  out_.open(tmp_, std::ios::binary | std::ios::trunc);
+  if (!out_) throw Error("cannot write " + path_ + " (cannot create " + tmp_ + ")");
+}
+
+AtomicFile::~AtomicFile() { discard(); }
+
+void AtomicFile::commit() {
+  if (done_) return;
+  out_.flush();
+  const bool ok = static_cast<bool>(out_);
+  out_.close();
+  std::error_code ec;
+  if (ok && !out_.fail()) fs::rename(tmp_, path_, ec);
+  if (!ok || out_.fail() || ec) {
+    discard();
+    throw Error("cannot write " + path_ + (ec ? ": " + ec.message() : ": write failed"));
+  }
+  done_ = true;
+}
+
+void AtomicFile::discard() {
+  if (done_) return;
+  done_ = true;
+  if (out_.is_open()) out_.close();
+  std::error_code ec;
+  fs::remove(tmp_, ec);
+}
+
+void write_file_atomically(const std::string& path, const std::string& text) {
+  AtomicFile f(path);
+  f.stream() << text;
+  f.commit();
+}
+
+namespace {
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  return format_real(v);
+}
+
+std::string json_string(const std::string& s) {
+  std::string o = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      o += buf;
+    } else {
+      o += static_cast<char>(c);
+    }
+  }
+  return o + "\"";
+}
+
+std::string json_array(const std::vector<double>& v) {
+  std::string o = "[";
+  for (size_t i = 0; i < v.size(); ++i) o += (i ? "," : "") + json_number(v[i]);
+  return o + "]";
+}
+
+std::string short_number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  return buf;
+}
+
+}  // namespace
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const int64_t t = static_cast<int64_t>(std::llround(s));
+  char buf[32];
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", static_cast<long long>(t / 3600),
+                  static_cast<long long>(t / 60 % 60), static_cast<long long>(t % 60));
+  else
+    std::snprintf(buf, sizeof buf, "%lld:%02lld", static_cast<long long>(t / 60),
+                  static_cast<long long>(t % 60));
+  return buf;
+}
+
+std::string summary_json(const RunSummary& s) {
+  std::ostringstream o;
+  o << "{\"name\":" << json_string(s.name) << ",\"mode\":" << json_string(s.mode)
+    << ",\"optimizer\":" << json_string(s.optimizer) << ",\"steps\":" << s.steps
+    << ",\"wall_seconds\":" << json_number(s.wall_seconds)
+    << ",\"first_loss\":" << json_number(s.first_loss)
+    << ",\"last_loss\":" << json_number(s.last_loss) << ",\"peak_bytes\":" << s.peak_bytes
+    << ",\"peak_phase\":" << json_string(s.peak_phase) << ",\"parameters\":" << s.parameters
+    << "}\n";
+  return o.str();
+}
+
+std::string summary_text(const RunSummary& s) {
+  std::ostringstream o;
+  o << (s.name.empty() ? std::string("run") : "run '" + s.name + "'") << " (" << s.mode << ", "
+    << s.optimizer << "): " << s.steps << " steps in " << std::fixed << std::setprecision(2)
+    << s.wall_seconds << " s; loss " << short_number(s.first_loss) << " -> "
+    << short_number(s.last_loss) << "; peak tensor memory " << memory::format_bytes(s.peak_bytes);
+  if (!s.peak_phase.empty()) o << " (during " << s.peak_phase << ")";
+  o << "\n";
+  return o.str();
+}
+
+std::string comparison_table(const std::vector<RunSummary>& runs) {
+  std::vector<std::vector<std::string>> rows = {
+      {"run", "mode", "steps", "first loss", "last loss", "peak memory", "peak in", "time"}};
+  for (const auto& r : runs) {
+    char t[32];
+    std::snprintf(t, sizeof t, "%.1f s", r.wall_seconds);
+    rows.push_back({r.name, r.mode, std::to_string(r.steps), short_number(r.first_loss),
+                    short_number(r.last_loss), memory::format_bytes(r.peak_bytes), r.peak_phase,
+                    t});
+  }
+  std::vector<size_t> width(rows[0].size(), 0);
+  for (const auto& row : rows)
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  std::ostringstream o;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    std::string line;
+    for (size_t i = 0; i < rows[r].size(); ++i) {
+      line += rows[r][i];
+      if (i + 1 < rows[r].size()) line += std::string(width[i] - rows[r][i].size() + 2, ' ');
+    }
+    o << line << "\n";
+    if (r == 0) {
+      size_t total = 0;
+      for (size_t w : width) total += w + 2;
+      o << std::string(total - 2, '-') << "\n";
+    }
+  }
+  return o.str();
+}
+
+MetricsFiles::MetricsFiles(const std::string& folder, size_t num_groups) : folder_(folder) {
+  if (folder_.empty()) return;
+  std::error_code ec;
+  fs::create_directories(folder_, ec);
+  if (ec) throw Error("--output-dir: cannot create " + folder_ + ": " + ec.message());
+  jsonl_ = std::make_unique<AtomicFile>((fs::path(folder_) / "metrics.jsonl").string());
+  csv_ = std::make_unique<AtomicFile>((fs::path(folder_) / "metrics.csv").string());
+  std::ostream& c = csv_->stream();
+  c << "step,loss";
+  for (size_t g = 0; g < num_groups; ++g) c << ",lr_" << g;
+  for (size_t g = 0; g < num_groups; ++g) c << ",effective_lr_" << g;
+  c << ",grad_norm,step_seconds,peak_bytes,peak_phase\n";
+}
+
+void MetricsFiles::add(const StepMetrics& m) {
+  if (!jsonl_) return;
+  jsonl_->stream() << "{\"step\":" << m.step << ",\"loss\":" << json_number(m.loss)
+                   << ",\"lr\":" << json_array(m.lrs)
+                   << ",\"effective_lr\":" << json_array(m.effective_lrs)
+                   << ",\"grad_norm\":" << (m.grad_norm < 0 ? "null" : json_number(m.grad_norm))
+                   << ",\"step_seconds\":" << json_number(m.step_seconds)
+                   << ",\"peak_bytes\":" << m.peak_bytes
+                   << ",\"peak_phase\":" << json_string(m.peak_phase) << "}\n";
+  std::ostream& c = csv_->stream();
+  c << m.step << "," << json_number(m.loss);
+  for (double v : m.lrs) c << "," << format_real(v);
+  for (double v : m.effective_lrs) c << "," << format_real(v);
+  c << "," << (m.grad_norm < 0 ? "" : format_real(m.grad_norm)) << ","
+    << format_real(m.step_seconds) << "," << m.peak_bytes << "," << m.peak_phase << "\n";
+}
+
+void MetricsFiles::commit(const RunSummary& s) {
+  if (!jsonl_) return;
+  // Summary first: if it cannot be written, the metrics files are discarded with it.
+  write_file_atomically((fs::path(folder_) / "summary.json").string(), summary_json(s));
+  jsonl_->commit();
+  csv_->commit();
+}
+
+Progress::Progress(std::ostream& out, bool terminal, int64_t total_steps, int64_t log_every,
+                   std::string label)
+    : out_(out),
+      terminal_(terminal),
+      total_(total_steps),
+      log_every_(log_every),
+      label_(std::move(label)) {}
+
+void Progress::update(const StepMetrics& m, double elapsed) {
+  const double rate = elapsed > 0 ? static_cast<double>(m.step) / elapsed : 0;
+  const double eta = rate > 0 ? static_cast<double>(total_ - m.step) / rate : 0;
+  const double lr = m.lrs.empty() ? 0 : m.lrs.front();
+  char stats[256];
+  std::snprintf(stats, sizeof stats, "loss %.4f  lr %.3g  %.2f it/s  peak %s", m.loss, lr, rate,
+                memory::format_bytes(m.peak_bytes).c_str());
+  const std::string prefix = label_.empty() ? "" : label_ + " ";
+  if (terminal_) {
+    const int width = 24;
+    const int filled = total_ > 0 ? static_cast<int>(width * m.step / total_) : width;
+    out_ << "\r" << prefix << "[" << std::string(filled, '#') << std::string(width - filled, '.')
+         << "] " << m.step << "/" << total_ << "  " << stats << "  ETA " << format_duration(eta)
+         << "   " << std::flush;
+    drawn_ = true;
+  } else if (log_every_ > 0 && (m.step % log_every_ == 0 || m.step == total_ || m.step == 1)) {
+    out_ << prefix << "step " << m.step << "/" << total_ << "  " << stats << "  ETA "
+         << format_duration(eta) << "\n"
+         << std::flush;
+  }
+}
+
+void Progress::finish() {
+  if (terminal_ && drawn_) out_ << "\n" << std::flush;
+  drawn_ = false;
+}
+
+}  // namespace fusebox::trainer

@@ -1,0 +1,102 @@
+// What a run prints and writes: a progress bar on a terminal or periodic lines otherwise,
+// per-step metrics as JSONL and CSV, a summary, and a side-by-side table of several runs.
+// Files are written to a temporary name and renamed when complete, or removed on failure.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace fusebox::trainer {
+
+/// A file that appears under its name only when commit() is called; otherwise it is removed.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  std::ostream& stream() { return out_; }
+  /// Flushes, checks for write errors and renames into place; throws Error on failure.
+  void commit();
+  /// Drops the temporary file (also done by the destructor unless committed).
+  void discard();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_, tmp_;
+  std::ofstream out_;
+  bool done_ = false;
+};
+
+/// Writes `text` to `path` atomically.
+void write_file_atomically(const std::string& path, const std::string& text);
+
+/// One optimizer step's measurements.
+struct StepMetrics {
+  int64_t step = 0;  ///< 1-based
+  double loss = 0;
+  std::vector<double> lrs;            ///< each group's lr for this step
+  std::vector<double> effective_lrs;  ///< each group's applied step size
+  double grad_norm = -1;              ///< -1: unknown
+  double step_seconds = 0;
+  int64_t peak_bytes = 0;  ///< peak tensor memory during this step
+  std::string peak_phase;  ///< phase in which it happened
+};
+
+/// What a finished run reports.
+struct RunSummary {
+  std::string name, mode, optimizer;
+  int64_t steps = 0;
+  double wall_seconds = 0;
+  double first_loss = 0, last_loss = 0;
+  int64_t peak_bytes = 0;
+  std::string peak_phase;
+  int64_t parameters = 0;
+};
+
+/// JSON text of a summary.
+std::string summary_json(const RunSummary& s);
+/// Human-readable summary lines.
+std::string summary_text(const RunSummary& s);
+/// Side-by-side table of several runs.
+std::string comparison_table(const std::vector<RunSummary>& runs);
+
+/// Per-step metrics files (metrics.jsonl, metrics.csv) in a folder; nothing when folder is "".
+class MetricsFiles {
+ public:
+  MetricsFiles(const std::string& folder, size_t num_groups);
+  void add(const StepMetrics& m);
+  /// Renames the files into place, with summary.json beside them.
+  void commit(const RunSummary& s);
+
+ private:
+  std::string folder_;
+  std::unique_ptr<AtomicFile> jsonl_, csv_;
+};
+
+/// Progress on the console: a redrawn bar on a terminal, plain lines every `log_every` steps
+/// otherwise.
+class Progress {
+ public:
+  Progress(std::ostream& out, bool terminal, int64_t total_steps, int64_t log_every,
+           std::string label);
+  void update(const StepMetrics& m, double elapsed_seconds);
+  /// Ends the bar's line (terminal only).
+  void finish();
+
+ private:
+  std::ostream& out_;
+  bool terminal_;
+  int64_t total_, log_every_;
+  std::string label_;
+  bool drawn_ = false;
+};
+
+/// "1:05"-style duration.
+std::string format_duration(double seconds);
+
+}  // namespace fusebox::trainer

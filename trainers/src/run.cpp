@@ -1,0 +1,225 @@
+#include "run.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "checkpoint.h"
+#include "data.h"
+#include "fusebox/core/lr_scheduler.h"
+#include "fusebox/core/memory_tracker.h"
+#include "fusebox/core/step_mode.h"
+#include "model.h"
+#include "precision.h"
+
+namespace fusebox::trainer {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+bool autocast_enabled(const TrainConfig& c) {
+  if (c.mixed_precision == "bf16") return true;
+  return c.mixed_precision == "fp16" && c.device == "cuda";
+}
+
+at::ScalarType param_dtype(const TrainConfig& c) {
+  if (c.full_bf16) return at::kBFloat16;
+  return c.dtype == "float64" ? at::kDouble : at::kFloat;
+}
+
+// Floating inputs take the parameters' dtype; targets and noise stay in the loss precision.
+Batch to_device(Batch b, c10::Device device, at::ScalarType dtype, at::ScalarType loss_dtype) {
+  auto move = [&](at::Tensor& t, at::ScalarType floating) {
+    if (!t.defined()) return;
+    t = t.is_floating_point() ? t.to(device, floating) : t.to(device);
+  };
+  move(b.input, dtype);
+  move(b.target, loss_dtype);
+  move(b.noise, loss_dtype);
+  move(b.timesteps, loss_dtype);
+  return b;
+}
+
+// The first line of an exception message (LibTorch appends backtraces on later lines).
+std::string one_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
+
+}  // namespace
+
+HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin) {
+  const PluginInfo& info = plugin.info();
+  if (c.fused_backward_pass && !plugin.has(kSupportsStepParam))
+    throw Error(plugin_file(plugin) +
+                " does not support --fused-backward-pass: it does not declare supports_step_param");
+  if (c.fused_optimizer_groups > 0 && plugin.has(kAutoLr))
+    throw Error("--fused-optimizer-groups cannot be used with " + info.name +
+                ": auto-LR optimizers (such as D-Adaptation and Prodigy) estimate one step size "
+                "from all parameters");
+  UserArgs args = c.optimizer_args;
+  if (c.learning_rate) {
+    if (!plugin.schema().find("lr"))
+      throw Error(c.learning_rate_where + ": plugin " + info.name +
+                  " has no lr hyperparameter (see trainer --describe-plugin " + info.name + ")");
+    UserArg a;
+    a.value = *c.learning_rate;
+    a.where = c.learning_rate_where;
+    args["lr"] = a;
+  }
+  if (c.full_bf16 && plugin.schema().find("stochastic_rounding") &&
+      !args.count("stochastic_rounding")) {
+    UserArg a;
+    a.value = true;
+    a.where = "--full-bf16";
+    args["stochastic_rounding"] = a;
+  }
+  return plugin.validate(args);
+}
+
+void check_runtime(const TrainConfig& c, std::ostream& warnings) {
+  if (c.device == "cuda" && !at::hasCUDA())
+    throw Error("--device cuda: this LibTorch has no CUDA support or no GPU is visible");
+  if (c.mixed_precision == "fp16" && c.device == "cpu")
+    warnings << "trainer: warning: --mixed-precision fp16: LibTorch 1.13 has no fp16 autocast on "
+                "CPU; training without autocast (use bf16 on CPU)\n";
+  if (c.mixed_precision == "fp16" && c.device == "cuda")
+    warnings << "trainer: warning: --mixed-precision fp16: no loss scaling is applied; small "
+                "gradients may underflow (bf16 avoids this)\n";
+}
+
+RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const HyperParams& hp,
+                        Console& con) {
+  // ---- set-up: errors here are configuration problems
+  at::set_num_threads(static_cast<int>(c.threads));
+  at::manual_seed(static_cast<uint64_t>(c.seed));
+  memory::mark_phase("setup");
+  const c10::Device device(c.device == "cuda" ? c10::kCUDA : c10::kCPU);
+  const at::ScalarType dtype = param_dtype(c);
+  const at::ScalarType loss_dtype = c.dtype == "float64" ? at::kDouble : at::kFloat;
+
+  std::unique_ptr<Model> model;
+  if (c.model_script) {
+    model = load_script_model(*c.model_script, device, dtype);
+  } else {
+    ModelOptions mo;
+    mo.kind = c.model, mo.width = c.model_width, mo.depth = c.model_depth;
+    mo.heads = c.model_heads, mo.seq_len = c.seq_len, mo.image_size = c.image_size;
+    mo.vocab_size = c.dataset == "text" ? 256 : c.vocab_size;
+    mo.device = device, mo.dtype = dtype;
+    model = make_builtin_model(mo);
+  }
+  std::unique_ptr<DataSource> data = make_data(c);
+
+  StepOptions so;
+  so.max_grad_norm = c.max_grad_norm;
+  so.warn = [&con](const std::string& m) { con.err << "trainer: warning: " << m << "\n"; };
+  std::vector<ParamGroup> groups = param_groups(*model);
+  std::unique_ptr<StepMode> mode;
+  if (c.fused_backward_pass) {
+    mode = make_fused_backward(plugin.create(groups, hp), so);
+  } else if (c.fused_optimizer_groups > 0) {
+    const SplitPolicy policy =
+        c.fused_optimizer_groups_split == "count" ? SplitPolicy::Count : SplitPolicy::Size;
+    mode = make_optimizer_groups(
+        groups, c.fused_optimizer_groups, policy,
+        [&](std::vector<ParamGroup> g) { return plugin.create(std::move(g), hp); }, so);
+  } else {
+    mode = make_normal_step(plugin.create(groups, hp), so);
+  }
+  SchedulerOptions sched;
+  sched.type = c.lr_scheduler;
+  sched.warmup_steps = c.lr_warmup_steps;
+  sched.total_steps = c.max_train_steps;
+  sched.num_cycles = c.lr_scheduler_num_cycles;
+  sched.power = c.lr_scheduler_power;
+  LrScheduler scheduler(mode->optimizers(), sched);
+  const int64_t first_step = resume_from_checkpoint(c, *model, *mode, scheduler);
+
+  RunSummary summary;
+  summary.name = c.name;
+  summary.mode = mode->name();
+  summary.optimizer = plugin.info().name;
+  summary.parameters = count_elements(model->parameters());
+  con.out << (c.name.empty() ? "" : "[" + c.name + "] ") << "model: " << model->describe()
+          << "; data: " << data->describe() << "; optimizer: " << plugin.info().name << " ("
+          << summary.mode << ", " << mode->optimizers().size() << " optimizer"
+          << (mode->optimizers().size() == 1 ? "" : "s") << ")\n";
+
+  MetricsFiles files(c.output_dir, scheduler.lrs().size());
+  Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
+                    c.name.empty() ? "" : "[" + c.name + "]");
+  const bool autocast = autocast_enabled(c);
+  const at::ScalarType autocast_dtype = c.mixed_precision == "fp16" ? at::kHalf : at::kBFloat16;
+
+  // ---- training: errors here are failures of the run
+  const Clock::time_point start = Clock::now();
+  bool first = true;
+  int64_t step = first_step;
+  try {
+    for (step = first_step + 1; step <= c.max_train_steps; ++step) {
+      const Clock::time_point t0 = Clock::now();
+      if (device.is_cpu()) memory::reset_peak();
+      double loss_sum = 0;
+      for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
+        Batch batch = to_device(data->next(), device, dtype, loss_dtype);
+        memory::mark_phase("forward");
+        at::Tensor loss;
+        {
+          AutocastGuard guard(autocast, device.type(), autocast_dtype);
+          loss = model->loss(batch);
+        }
+        if (c.gradient_accumulation_steps > 1)
+          loss = loss / static_cast<double>(c.gradient_accumulation_steps);
+        loss_sum += loss.detach().to(at::kDouble).item<double>();
+        memory::mark_phase("backward");
+        mode->backward(loss);
+      }
+      memory::mark_phase("step");
+      StepStats stats = mode->step();
+      StepMetrics m;
+      m.step = step;
+      m.loss = loss_sum;
+      m.lrs = scheduler.lrs();
+      m.effective_lrs = scheduler.effective_lrs();
+      m.grad_norm = stats.grad_norm;
+      scheduler.step();
+      memory::mark_phase("idle");
+      if (device.is_cpu()) {
+        m.peak_bytes = memory::peak_bytes();
+        int64_t best = -1;
+        for (const auto& p : memory::phase_peaks())
+          if (p.peak_bytes > best) best = p.peak_bytes, m.peak_phase = p.phase;
+      } else {
+        m.peak_bytes = memory::cuda_stats().peak_allocated;
+      }
+      m.step_seconds = seconds_since(t0);
+      if (first) summary.first_loss = m.loss, first = false;
+      summary.last_loss = m.loss;
+      summary.steps = step - first_step;
+      if (m.peak_bytes > summary.peak_bytes)
+        summary.peak_bytes = m.peak_bytes, summary.peak_phase = m.peak_phase;
+      files.add(m);
+      progress.update(m, seconds_since(start));
+      save_checkpoint_if_due(c, step, *model, *mode, scheduler);
+    }
+  } catch (const std::exception& e) {
+    progress.finish();
+    throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") +
+                         "training failed at step " + std::to_string(step) + ": " +
+                         one_line(e.what()));
+  }
+  progress.finish();
+  summary.wall_seconds = seconds_since(start);
+  if (c.save_model) model->save(*c.save_model);
+  files.commit(summary);
+  return summary;
+}
+
+}  // namespace fusebox::trainer

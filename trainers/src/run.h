@@ -1,0 +1,38 @@
+// Training one configured run: model, data, plugin optimizer(s) in the chosen step mode,
+// scheduler, precision, metrics.
+#pragma once
+
+#include <ostream>
+
+#include "config.h"
+#include "fusebox/core/plugin_registry.h"
+#include "output.h"
+
+namespace fusebox::trainer {
+
+/// Where a run prints.
+struct Console {
+  std::ostream& out;  ///< progress, summaries, tables
+  std::ostream& err;  ///< warnings and errors
+  bool terminal;      ///< draw a progress bar instead of periodic lines
+};
+
+/// A failure while training (after set-up succeeded): a plugin exception, non-finite gradients.
+class TrainingFailed : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Checks what needs a plugin: capabilities against the mode, then the hyperparameters
+/// (--learning-rate becomes lr; --full-bf16 turns on stochastic_rounding when the plugin has it).
+HyperParams plugin_hyperparams(const TrainConfig& config, const LoadedPlugin& plugin);
+
+/// Checks what needs LibTorch: the device exists; warns about precision settings that cannot
+/// take effect.
+void check_runtime(const TrainConfig& config, std::ostream& warnings);
+
+/// Trains one run. Set-up problems throw Error; failures during training throw TrainingFailed.
+RunSummary run_training(const TrainConfig& config, const LoadedPlugin& plugin,
+                        const HyperParams& hyperparams, Console& console);
+
+}  // namespace fusebox::trainer

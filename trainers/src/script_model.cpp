@@ -1,0 +1,84 @@
+// A TorchScript module as a model: forward(batch) returns the scalar loss.
+#include <torch/script.h>
+
+#include <filesystem>
+
+#include "fusebox/error.h"
+#include "model.h"
+
+namespace fusebox::trainer {
+
+namespace {
+
+class ScriptModel : public Model {
+ public:
+  ScriptModel(torch::jit::Module m, std::string path) : m_(std::move(m)), path_(std::move(path)) {}
+
+  std::vector<std::pair<std::string, at::Tensor>> parameters() override {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& p : m_.named_parameters(/*recurse=*/true)) named.emplace_back(p.name, p.value);
+    return unique_parameters(std::move(named));
+  }
+
+  at::Tensor loss(const Batch& b) override {
+    c10::IValue out;
+    try {
+      out = m_.forward({b.input});
+    } catch (const std::exception& e) {
+      throw Error("model script " + path_ + ": forward failed: " + first_line(e.what()));
+    }
+    if (!out.isTensor())
+      throw Error("model script " + path_ + ": forward must return a tensor (the loss), got " +
+                  out.tagKind());
+    at::Tensor loss = out.toTensor();
+    if (loss.numel() != 1)
+      throw Error("model script " + path_ + ": forward must return a scalar loss, got shape " +
+                  c10::str(loss.sizes()));
+    return loss.reshape({});
+  }
+
+  std::string describe() override {
+    auto params = parameters();
+    return "script " + path_ + ": " + std::to_string(count_elements(params)) + " parameters in " +
+           std::to_string(params.size()) + " tensors";
+  }
+
+  void save(const std::string& path) override {
+    const std::string tmp = path + ".tmp";
+    try {
+      m_.save(tmp);
+      std::filesystem::rename(tmp, path);
+    } catch (const std::exception& e) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      throw Error("cannot write model to " + path + ": " + first_line(e.what()));
+    }
+  }
+
+ private:
+  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+  torch::jit::Module m_;
+  std::string path_;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> load_script_model(const std::string& path, c10::Device device,
+                                         c10::ScalarType dtype) {
+  torch::jit::Module m;
+  try {
+    m = torch::jit::load(path, device);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    throw Error("model script " + path + " cannot be loaded: " + msg.substr(0, msg.find('\n')));
+  }
+  m.to(dtype);
+  m.train();
+  for (const auto& p : m.parameters(/*recurse=*/true)) p.set_requires_grad(true);
+  auto model = std::make_unique<ScriptModel>(std::move(m), path);
+  if (model->parameters().empty())
+    throw Error("model script " + path + " has no parameters to train");
+  return model;
+}
+
+}  // namespace fusebox::trainer
