@@ -1,0 +1,36 @@
+// Heavy-ball momentum: v <- mu * v + g; theta <- theta - lr * v.
+// It updates one parameter at a time, so it declares supports_step_param and runs in the fused
+// backward pass and in optimizer groups.
+#include <fusebox/sdk.h>
+
+namespace {
+
+class Momentum final : public fusebox::Optimizer {
+ public:
+  static void declare_schema(fusebox::Schema& s) {
+    s.real("lr", 1e-2, "learning rate").above(0);
+    s.real("momentum", 0.9, "momentum factor mu").at_least(0).below(1);
+  }
+
+  Momentum(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)
+      : Optimizer(std::move(groups), hp), momentum_(hp.real("momentum")) {}
+
+ protected:
+  void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t group) override {
+    at::Tensor p = fusebox::fp32_view(param);  // bf16/fp16 parameters are updated in fp32
+    at::Tensor& velocity = state["velocity"];
+    if (!velocity.defined()) velocity = at::zeros_like(p);
+    velocity.mul_(momentum_).add_(param.grad().to(p.scalar_type()));
+    p.add_(velocity, -lr(group));
+    ++state.step;
+    fusebox::write_back(param, p, /*stochastic=*/false);
+  }
+
+ private:
+  double momentum_;
+};
+
+}  // namespace
+
+FUSEBOX_PLUGIN(Momentum, "momentum", "1.0.0", "Heavy-ball momentum (SDK example)",
+               fusebox::kSupportsStepParam)
