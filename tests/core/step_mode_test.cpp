@@ -7,9 +7,11 @@
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
+#include "plugin_args.h"
 #include "tiny_lm.h"
 
 using namespace fusebox;
+using fusebox::testing::args_for;
 using fusebox::testing::TinyLm;
 
 namespace {
@@ -25,18 +27,6 @@ LoaderOptions only(std::vector<std::filesystem::path> dirs) {
 PluginRegistry& registry() {
   static PluginRegistry r(only({FUSEBOX_PLUGIN_DIR, FUSEBOX_TEST_PLUGIN_DIR}));
   return r;
-}
-
-// Hyperparameters that exercise more of an algorithm than its defaults do.
-UserArgs args_for(const LoadedPlugin& p) {
-  UserArgs a;
-  auto set = [&](const std::string& k, const std::string& v) {
-    if (p.schema().find(k)) a[k] = UserArg{std::monostate{}, v, "test"};
-  };
-  if (p.info().name == "sgd") set("momentum", "0.9"), set("weight_decay", "0.01");
-  if (p.info().name == "adafactor") set("beta1", "0.9");
-  if (p.info().name == "came" || p.info().name == "lion") set("lr", "0.001");
-  return a;
 }
 
 struct ModeRun {

@@ -1,0 +1,72 @@
+// Checkpoints that survive being killed mid-write, and model weights Python can read.
+//
+// A checkpoint file is a small header (magic, format version, payload size, FNV-1a checksum)
+// followed by a payload in torch's pickle format. It is written to a temporary file in the same
+// folder, flushed, fsynced and renamed over the target, so an interrupted write never replaces
+// the last good checkpoint; the checksum catches truncation and corruption before any parsing.
+// Optimizer state is keyed by parameter name, so a checkpoint saved with N optimizer groups
+// resumes with another N, fused or normal mode (for per-parameter plugins).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fusebox/optimizer.h"
+
+namespace fusebox {
+
+/// Everything needed to continue a run exactly.
+struct Checkpoint {
+  std::map<std::string, at::Tensor> model;  ///< parameter name -> values
+  StateDict optimizer;                      ///< merged state of every optimizer instance
+  std::map<std::string, std::string> meta;  ///< plugin, plugin_version, mode, config, ...
+  std::map<std::string, int64_t> counters;  ///< step, scheduler_steps, ...
+  std::map<std::string, at::Tensor> rng;    ///< generator states ("cpu", "cuda:0", ...)
+};
+
+/// Writes `ckpt` to `path` atomically (temp file + fsync + rename). Throws Error naming the path.
+void save_checkpoint(const Checkpoint& ckpt, const std::filesystem::path& path);
+
+/// Reads a checkpoint; a missing, truncated, corrupt or foreign file throws one-line Error.
+Checkpoint load_checkpoint(const std::filesystem::path& path);
+
+/// The state of all `optimizers`, merged into one name-keyed dict (clones, safe to keep).
+StateDict merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers);
+
+/// Loads a merged dict into `optimizers` (any grouping); throws if it holds state for a parameter
+/// none of them owns.
+void load_merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers,
+                                 const StateDict& state);
+
+/// Copies saved values into `params` (name -> tensor), checking names and shapes; throws Error
+/// naming the first difference.
+void restore_parameters(const std::map<std::string, at::Tensor>& saved,
+                        const std::vector<std::pair<std::string, at::Tensor>>& params);
+
+/// States of the default generators (CPU, and each CUDA device when present).
+std::map<std::string, at::Tensor> capture_rng_state();
+/// Restores what capture_rng_state() returned.
+void restore_rng_state(const std::map<std::string, at::Tensor>& states);
+
+/// Writes named tensors in torch's pickle format (torch.save/torch.load compatible: in Python,
+/// `torch.load(path)` returns a dict of tensors), atomically.
+void save_model_weights(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                        const std::filesystem::path& path);
+/// Reads what save_model_weights() wrote.
+std::map<std::string, at::Tensor> load_model_weights(const std::filesystem::path& path);
+
+/// Writes `bytes` to `path` atomically: temp file in the same folder, fsync, rename, fsync folder.
+void write_file_atomically(const std::filesystem::path& path, const std::string& bytes);
+
+/// Checkpoint file name for a step: "checkpoint-00000120.fbx".
+std::string checkpoint_name(int64_t step);
+/// Checkpoints in `dir`, oldest first (by step number in the name).
+std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path& dir);
+/// Deletes all but the newest `keep` checkpoints in `dir` (keep <= 0: keep all).
+void prune_checkpoints(const std::filesystem::path& dir, int64_t keep);
+
+}  // namespace fusebox

@@ -1,0 +1,276 @@
+#include "fusebox/core/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <fcntl.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <regex>
+
+namespace fusebox {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kMagic[12] = {'F', 'U', 'S', 'E', 'B', 'O', 'X', '-', 'C', 'K', 'P', 'T'};
+constexpr uint32_t kFormatVersion = 1;
+constexpr size_t kHeaderSize = sizeof(kMagic) + 4 + 8 + 8;
+
+uint64_t fnv1a(const char* data, size_t n) {
+  uint64_t h = 1469598103934665603ULL;
+  for (size_t i = 0; i < n; ++i) {
+    h ^= static_cast<unsigned char>(data[i]);
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+template <class T>
+void put(std::string& out, T v) {
+  char buf[sizeof(T)];
+  std::memcpy(buf, &v, sizeof(T));  // little-endian hosts only (x86-64, aarch64)
+  out.append(buf, sizeof(T));
+}
+
+template <class T>
+T get(const std::string& in, size_t offset) {
+  T v;
+  std::memcpy(&v, in.data() + offset, sizeof(T));
+  return v;
+}
+
+c10::Dict<std::string, at::Tensor> tensor_dict(const std::map<std::string, at::Tensor>& m) {
+  c10::Dict<std::string, at::Tensor> d;
+  for (const auto& [k, v] : m) d.insert(k, v.detach().to(at::kCPU).contiguous());
+  return d;
+}
+
+std::map<std::string, at::Tensor> tensor_map(const c10::IValue& v) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& e : v.toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
+  return out;
+}
+
+std::string read_all(const fs::path& path, const std::string& what) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw Error(what + " " + path.string() + " does not exist");
+  if (fs::is_directory(path, ec)) throw Error(what + " " + path.string() + " is a directory");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("cannot read " + what + " " + path.string() + ": " + std::strerror(errno));
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+void write_file_atomically(const fs::path& path, const std::string& bytes) {
+  const fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+  const fs::path tmp =
+      dir / ("." + path.filename().string() + ".tmp." + std::to_string(::getpid()));
+  auto fail = [&](const std::string& what) {
+    const std::string reason = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    throw Error("cannot write " + path.string() + ": " + what + " failed (" + reason +
+                "); check that the folder exists, is writable and has space");
+  };
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const std::string reason = std::strerror(errno);
+    throw Error("cannot write " + path.string() + ": cannot create a file in " + dir.string() +
+                " (" + reason + "); check that the folder exists and is writable");
+  }
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      ::close(fd);
+      fail("write");
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    fail("fsync");
+  }
+  if (::close(fd) != 0) fail("close");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename");
+  // Persist the rename itself.
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
+  c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
+  top.insert("model", tensor_dict(ckpt.model));
+  top.insert("optimizer", tensor_dict(ckpt.optimizer));
+  top.insert("rng", tensor_dict(ckpt.rng));
+  c10::Dict<std::string, std::string> meta;
+  for (const auto& [k, v] : ckpt.meta) meta.insert(k, v);
+  top.insert("meta", meta);
+  c10::Dict<std::string, int64_t> counters;
+  for (const auto& [k, v] : ckpt.counters) counters.insert(k, v);
+  top.insert("counters", counters);
+  std::vector<char> payload = torch::jit::pickle_save(c10::IValue(top));
+
+  std::string bytes(kMagic, sizeof(kMagic));
+  put<uint32_t>(bytes, kFormatVersion);
+  put<uint64_t>(bytes, payload.size());
+  put<uint64_t>(bytes, fnv1a(payload.data(), payload.size()));
+  bytes.append(payload.data(), payload.size());
+  write_file_atomically(path, bytes);
+}
+
+Checkpoint load_checkpoint(const fs::path& path) {
+  const std::string bytes = read_all(path, "checkpoint");
+  const std::string where = "checkpoint " + path.string();
+  if (bytes.size() < kHeaderSize || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
+    throw Error(where + " is not a fusebox checkpoint (bad header); pass a checkpoint-*.fbx file");
+  const uint32_t version = get<uint32_t>(bytes, sizeof(kMagic));
+  if (version != kFormatVersion)
+    throw Error(where + " has format version " + std::to_string(version) + "; this fusebox reads " +
+                std::to_string(kFormatVersion));
+  const uint64_t size = get<uint64_t>(bytes, sizeof(kMagic) + 4);
+  const uint64_t sum = get<uint64_t>(bytes, sizeof(kMagic) + 12);
+  if (bytes.size() - kHeaderSize != size)
+    throw Error(where + " is truncated or padded (" + std::to_string(bytes.size() - kHeaderSize) +
+                " payload bytes, header says " + std::to_string(size) +
+                "); use an earlier checkpoint");
+  if (fnv1a(bytes.data() + kHeaderSize, size) != sum)
+    throw Error(where + " is corrupt (checksum mismatch); use an earlier checkpoint");
+  Checkpoint out;
+  try {
+    std::vector<char> payload(bytes.begin() + kHeaderSize, bytes.end());
+    c10::IValue top = torch::jit::pickle_load(payload);
+    auto dict = top.toGenericDict();
+    out.model = tensor_map(dict.at("model"));
+    out.optimizer = tensor_map(dict.at("optimizer"));
+    out.rng = tensor_map(dict.at("rng"));
+    for (const auto& e : dict.at("meta").toGenericDict())
+      out.meta[e.key().toStringRef()] = e.value().toStringRef();
+    for (const auto& e : dict.at("counters").toGenericDict())
+      out.counters[e.key().toStringRef()] = e.value().toInt();
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    msg = msg.substr(0, msg.find('\n'));
+    throw Error(where + " cannot be decoded (" + msg + "); use an earlier checkpoint");
+  }
+  return out;
+}
+
+StateDict merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers) {
+  StateDict out;
+  for (const auto& opt : optimizers)
+    for (const auto& [k, v] : opt->state_dict()) out[k] = v.detach().clone();
+  return out;
+}
+
+void load_merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers,
+                                 const StateDict& state) {
+  std::map<std::string, bool> known;
+  for (const auto& opt : optimizers)
+    for (size_t g = 0; g < opt->num_groups(); ++g)
+      for (const auto& n : opt->group(g).names) known[n] = true;
+  for (const auto& kv : state) {
+    const std::string& key = kv.first;
+    if (key.rfind("@optimizer/", 0) == 0) continue;
+    const std::string param = key.substr(0, key.rfind('/'));
+    if (!known.count(param))
+      throw Error("checkpoint holds optimizer state for parameter '" + param +
+                  "', which this model does not have: resume with the same model");
+  }
+  for (const auto& opt : optimizers) opt->load_state_dict(state);
+}
+
+void restore_parameters(const std::map<std::string, at::Tensor>& saved,
+                        const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  if (saved.size() != params.size())
+    throw Error("checkpoint has " + std::to_string(saved.size()) + " parameters, this model has " +
+                std::to_string(params.size()) + ": resume with the same model and options");
+  at::NoGradGuard no_grad;
+  for (const auto& [name, p] : params) {
+    auto it = saved.find(name);
+    if (it == saved.end())
+      throw Error("checkpoint has no parameter '" + name + "': resume with the same model");
+    if (it->second.sizes() != p.sizes())
+      throw Error("checkpoint parameter '" + name + "' has shape " + c10::str(it->second.sizes()) +
+                  ", this model's has " + c10::str(p.sizes()) +
+                  ": resume with the same model options");
+    p.copy_(it->second);
+  }
+}
+
+std::map<std::string, at::Tensor> capture_rng_state() {
+  std::map<std::string, at::Tensor> out;
+  out["cpu"] = at::detail::getDefaultCPUGenerator().get_state();
+  return out;
+}
+
+void restore_rng_state(const std::map<std::string, at::Tensor>& states) {
+  auto it = states.find("cpu");
+  if (it != states.end()) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(it->second);
+  }
+}
+
+void save_model_weights(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                        const fs::path& path) {
+  c10::Dict<std::string, at::Tensor> d;
+  for (const auto& [k, v] : params) d.insert(k, v.detach().to(at::kCPU).contiguous());
+  std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(d));
+  write_file_atomically(path, std::string(bytes.begin(), bytes.end()));
+}
+
+std::map<std::string, at::Tensor> load_model_weights(const fs::path& path) {
+  const std::string bytes = read_all(path, "model weights");
+  try {
+    return tensor_map(torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end())));
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    throw Error("model weights " + path.string() + " cannot be decoded (" +
+                msg.substr(0, msg.find('\n')) + ")");
+  }
+}
+
+std::string checkpoint_name(int64_t step) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "checkpoint-%08lld.fbx", static_cast<long long>(step));
+  return buf;
+}
+
+std::vector<fs::path> list_checkpoints(const fs::path& dir) {
+  static const std::regex pattern(R"(checkpoint-(\d+)\.fbx)");
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::smatch m;
+    const std::string name = e.path().filename().string();
+    if (std::regex_match(name, m, pattern)) found.emplace_back(std::stoll(m[1]), e.path());
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<fs::path> out;
+  for (auto& f : found) out.push_back(f.second);
+  return out;
+}
+
+void prune_checkpoints(const fs::path& dir, int64_t keep) {
+  if (keep <= 0) return;
+  auto all = list_checkpoints(dir);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {
+    std::error_code ec;
+    fs::remove(all[i], ec);
+  }
+}
+
+}  // namespace fusebox

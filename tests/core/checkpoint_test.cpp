@@ -1,0 +1,246 @@
+// Checkpoints: exact round trips, resume across step modes, and loud failure on bad files.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "fusebox/core/checkpoint.h"
+#include "fusebox/core/lr_scheduler.h"
+#include "fusebox/core/plugin_registry.h"
+#include "fusebox/core/step_mode.h"
+#include "plugin_args.h"
+#include "tiny_lm.h"
+
+using namespace fusebox;
+using fusebox::testing::TinyLm;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d =
+      fs::temp_directory_path() / ("fusebox_ckpt_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::shared_ptr<LoadedPlugin> plugin_named(const std::string& file) {
+  LoaderOptions o;
+  o.plugin_dirs = {FUSEBOX_PLUGIN_DIR};
+  o.use_environment = o.use_default_dir = false;
+  static PluginRegistry reg(o);
+  return reg.load_file(file);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> named(const TinyLm& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < m.params.size(); ++i) out.emplace_back(m.names[i], m.params[i]);
+  return out;
+}
+
+struct Mode {
+  std::string kind;
+  int64_t groups = 1;
+};
+
+std::unique_ptr<StepMode> make_mode(const LoadedPlugin& p, TinyLm& m, const Mode& mode) {
+  HyperParams hp = p.validate(fusebox::testing::args_for(p));
+  if (mode.kind == "normal") return make_normal_step(p.create(m.groups(), hp));
+  if (mode.kind == "fused") return make_fused_backward(p.create(m.groups(), hp));
+  return make_optimizer_groups(m.groups(), mode.groups, SplitPolicy::Size,
+                               [&](std::vector<ParamGroup> g) { return p.create(g, hp); });
+}
+
+SchedulerOptions cosine(int64_t total) {
+  SchedulerOptions so;
+  so.type = "cosine";
+  so.total_steps = total;
+  return so;
+}
+
+// Trains steps [from, to) of a run whose mode is `mode`, starting from `ckpt` when given; returns
+// a checkpoint taken at `to`.
+Checkpoint train(const LoadedPlugin& p, const TinyLm& init, const Mode& mode, int from, int to,
+                 const Checkpoint* resume) {
+  TinyLm m = init.clone();
+  auto step_mode = make_mode(p, m, mode);
+  LrScheduler sched(step_mode->optimizers(), cosine(6));
+  if (resume) {
+    restore_parameters(resume->model, named(m));
+    load_merged_optimizer_state(step_mode->optimizers(), resume->optimizer);
+    sched.set_step_count(resume->counters.at("scheduler_steps"));
+  }
+  for (int s = from; s < to; ++s) {
+    step_mode->backward(m.loss(s));
+    step_mode->step();
+    sched.step();
+  }
+  Checkpoint c;
+  for (auto& [n, t] : named(m)) c.model[n] = t.detach().clone();
+  c.optimizer = merged_optimizer_state(step_mode->optimizers());
+  c.counters["scheduler_steps"] = sched.step_count();
+  c.meta["plugin"] = p.info().name;
+  return c;
+}
+
+void expect_same_model(const Checkpoint& a, const Checkpoint& b, const std::string& what) {
+  ASSERT_EQ(a.model.size(), b.model.size());
+  for (const auto& [n, t] : a.model) EXPECT_TRUE(at::equal(t, b.model.at(n))) << what << ": " << n;
+}
+
+}  // namespace
+
+TEST(Checkpoint, RoundTripsEveryFieldExactly) {
+  fs::path dir = temp_dir("roundtrip");
+  Checkpoint c;
+  c.model["a.weight"] = at::randn({3, 4}, at::kDouble);
+  c.optimizer["a.weight/exp_avg"] = at::randn({3, 4});
+  c.optimizer["@optimizer/d"] = at::scalar_tensor(1e-6, at::kDouble);
+  c.meta["plugin"] = "adamw";
+  c.counters["step"] = 42;
+  c.rng = capture_rng_state();
+  save_checkpoint(c, dir / checkpoint_name(42));
+  Checkpoint r = load_checkpoint(dir / checkpoint_name(42));
+  EXPECT_TRUE(at::equal(r.model.at("a.weight"), c.model.at("a.weight")));
+  EXPECT_TRUE(at::equal(r.optimizer.at("a.weight/exp_avg"), c.optimizer.at("a.weight/exp_avg")));
+  EXPECT_EQ(r.optimizer.at("@optimizer/d").item<double>(), 1e-6);
+  EXPECT_EQ(r.meta.at("plugin"), "adamw");
+  EXPECT_EQ(r.counters.at("step"), 42);
+  // Restoring the RNG state replays the same random numbers.
+  at::Tensor first = at::rand({4});
+  restore_rng_state(r.rng);
+  EXPECT_TRUE(at::equal(at::rand({4}), first));
+  // No temporary file is left behind.
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().filename().string().rfind(".", 0), std::string::npos) << e.path();
+}
+
+TEST(Checkpoint, BadFilesGiveOneLineErrors) {
+  fs::path dir = temp_dir("bad");
+  Checkpoint c;
+  c.model["w"] = at::randn({64});
+  save_checkpoint(c, dir / "good.fbx");
+  std::string bytes;
+  {
+    std::ifstream in(dir / "good.fbx", std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::ofstream(dir / "truncated.fbx", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  std::string flipped = bytes;
+  flipped[flipped.size() - 10] ^= 0x5a;
+  std::ofstream(dir / "corrupt.fbx", std::ios::binary) << flipped;
+  std::ofstream(dir / "foreign.fbx") << "hello, I am a text file\n";
+
+  auto msg = [&](const std::string& f) { return error_of([&] { load_checkpoint(dir / f); }); };
+  EXPECT_NE(msg("missing.fbx").find("does not exist"), std::string::npos);
+  EXPECT_NE(msg("truncated.fbx").find("is truncated"), std::string::npos) << msg("truncated.fbx");
+  EXPECT_NE(msg("corrupt.fbx").find("is corrupt (checksum mismatch)"), std::string::npos);
+  EXPECT_NE(msg("foreign.fbx").find("is not a fusebox checkpoint"), std::string::npos);
+  for (const std::string f : {"truncated.fbx", "corrupt.fbx", "foreign.fbx"})
+    EXPECT_EQ(msg(f).find('\n'), std::string::npos) << "one line: " << msg(f);
+}
+
+TEST(Checkpoint, AFailedWriteLeavesTheOldFileAndNoTemporary) {
+  fs::path dir = temp_dir("failed_write");
+  Checkpoint c;
+  c.model["w"] = at::ones({4});
+  save_checkpoint(c, dir / "ckpt.fbx");
+  // A folder in the way of the rename makes the write fail after the temporary was written.
+  fs::create_directories(dir / "blocked.fbx" / "inner");
+  std::string m = error_of([&] { save_checkpoint(c, dir / "blocked.fbx"); });
+  EXPECT_NE(m.find("cannot write"), std::string::npos) << m;
+  EXPECT_TRUE(at::equal(load_checkpoint(dir / "ckpt.fbx").model.at("w"), at::ones({4})));
+  size_t files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) files += e.is_regular_file();
+  EXPECT_EQ(files, 1u);
+  m = error_of([&] { save_checkpoint(c, dir / "no" / "such" / "dir" / "x.fbx"); });
+  EXPECT_NE(m.find("cannot write"), std::string::npos) << m;
+}
+
+TEST(Checkpoint, ResumeEqualsAnUninterruptedRunAcrossModesAndGroupings) {
+  auto sgd = plugin_named("sgd.so");
+  TinyLm init;
+  fs::path dir = temp_dir("resume");
+  const std::vector<Mode> modes{{"normal"}, {"fused"}, {"groups", 3}, {"groups", 2}};
+  for (const Mode& before : modes) {
+    Checkpoint straight = train(*sgd, init, before, 0, 6, nullptr);
+    Checkpoint half = train(*sgd, init, before, 0, 3, nullptr);
+    save_checkpoint(half, dir / "half.fbx");
+    Checkpoint loaded = load_checkpoint(dir / "half.fbx");
+    for (const Mode& after : modes) {
+      Checkpoint resumed = train(*sgd, init, after, 3, 6, &loaded);
+      expect_same_model(straight, resumed,
+                        before.kind + std::to_string(before.groups) + " -> " + after.kind +
+                            std::to_string(after.groups));
+    }
+  }
+}
+
+TEST(Checkpoint, StatefulPluginsResumeExactly) {
+  // Every shipped plugin with optimizer state: per-parameter ones across modes, auto-LR ones
+  // in normal mode.
+  LoaderOptions o;
+  o.plugin_dirs = {FUSEBOX_PLUGIN_DIR};
+  o.use_environment = o.use_default_dir = false;
+  PluginRegistry reg(o);
+  TinyLm init;
+  for (const auto& p : reg.list()) {
+    SCOPED_TRACE(p->info().name);
+    Checkpoint straight = train(*p, init, {"normal"}, 0, 6, nullptr);
+    Checkpoint half = train(*p, init, {"normal"}, 0, 3, nullptr);
+    expect_same_model(straight, train(*p, init, {"normal"}, 3, 6, &half), "normal -> normal");
+    if (p->has(kSupportsStepParam))
+      expect_same_model(straight, train(*p, init, {"groups", 4}, 3, 6, &half), "normal -> groups");
+  }
+}
+
+TEST(Checkpoint, ResumingAnotherModelIsRefused) {
+  TinyLm m;
+  std::map<std::string, at::Tensor> saved;
+  for (auto& [n, t] : named(m)) saved[n] = t.detach().clone();
+  saved["fc1.weight"] = at::zeros({2, 2}, at::kDouble);
+  std::string msg = error_of([&] { restore_parameters(saved, named(m)); });
+  EXPECT_NE(msg.find("'fc1.weight' has shape [2, 2]"), std::string::npos) << msg;
+  StateDict state{{"other.weight/step", at::scalar_tensor(1.0, at::kDouble)}};
+  auto sgd = plugin_named("sgd.so");
+  auto opt = sgd->create(m.groups(), sgd->validate({}));
+  msg = error_of([&] { load_merged_optimizer_state({opt}, state); });
+  EXPECT_NE(msg.find("parameter 'other.weight'"), std::string::npos) << msg;
+}
+
+TEST(Checkpoint, ModelWeightsUseTorchPickleFormat) {
+  fs::path dir = temp_dir("weights");
+  TinyLm m(at::kFloat);
+  save_model_weights(named(m), dir / "model.pt");
+  // torch.save's zip container: Python's torch.load reads it.
+  std::ifstream in(dir / "model.pt", std::ios::binary);
+  char magic[2];
+  in.read(magic, 2);
+  EXPECT_EQ(std::string(magic, 2), "PK");
+  auto back = load_model_weights(dir / "model.pt");
+  ASSERT_EQ(back.size(), m.params.size());
+  for (size_t i = 0; i < m.params.size(); ++i)
+    EXPECT_TRUE(at::equal(back.at(m.names[i]), m.params[i].detach()));
+}
+
+TEST(Checkpoint, KeepsOnlyTheNewestN) {
+  fs::path dir = temp_dir("prune");
+  Checkpoint c;
+  c.model["w"] = at::ones({1});
+  for (int64_t s : {10, 20, 30, 40}) save_checkpoint(c, dir / checkpoint_name(s));
+  prune_checkpoints(dir, 2);
+  auto left = list_checkpoints(dir);
+  ASSERT_EQ(left.size(), 2u);
+  EXPECT_EQ(left[0].filename(), checkpoint_name(30));
+  EXPECT_EQ(left[1].filename(), checkpoint_name(40));
+}
