@@ -41,6 +41,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,6 +60,12 @@ struct Target {
   std::string label;              ///< test-name suffix; empty: the file name without ".so"
   bool allow_insecure = false;    ///< load even if group/others can write the file or folder
 };
+
+/// How GoogleTest prints a target: the path and the arguments.
+inline void PrintTo(const Target& t, std::ostream* os) {
+  *os << t.path;
+  for (const std::string& a : t.args) *os << " " << a;
+}
 
 /// A target for the plugin at `path` with hyperparameters `args` ("key=value" each).
 inline Target plugin(std::string path, std::vector<std::string> args = {}) {
