@@ -6,6 +6,7 @@ packages=(
   libtorch-dev libopenblas0-pthread   # OpenBLAS: without it LibTorch's matmuls are ~40x slower
   libboost-dev libboost-program-options-dev libboost-filesystem-dev
   libtomlplusplus-dev libgtest-dev libgloo-dev
+  clang libclang-rt-14-dev            # sanitizer and libFuzzer builds
 )
 missing=()
 for p in "${packages[@]}"; do

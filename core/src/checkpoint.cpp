@@ -131,8 +131,10 @@ void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
 }
 
 Checkpoint load_checkpoint(const fs::path& path) {
-  const std::string bytes = read_all(path, "checkpoint");
-  const std::string where = "checkpoint " + path.string();
+  return parse_checkpoint(read_all(path, "checkpoint"), "checkpoint " + path.string());
+}
+
+Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where) {
   if (bytes.size() < kHeaderSize || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
     throw Error(where + " is not a fusebox checkpoint (bad header); pass a checkpoint-*.fbx file");
   const uint32_t version = get<uint32_t>(bytes, sizeof(kMagic));

@@ -33,6 +33,8 @@ void save_checkpoint(const Checkpoint& ckpt, const std::filesystem::path& path);
 
 /// Reads a checkpoint; a missing, truncated, corrupt or foreign file throws one-line Error.
 Checkpoint load_checkpoint(const std::filesystem::path& path);
+/// Decodes the bytes of a checkpoint file; `where` names it in errors (load_checkpoint's core).
+Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where);
 
 /// The state of all `optimizers`, merged into one name-keyed dict (clones, safe to keep).
 StateDict merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers);
