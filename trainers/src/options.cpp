@@ -333,6 +333,12 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
   } catch (const po::unknown_option& e) {
     const std::string bad = e.get_option_name();
     std::string word = bad.substr(0, bad.find('='));
+    if (word.empty() || word == "--") {  // a stray word, which Boost reports as a nameless option
+      for (const auto& a : args)
+        if (!a.empty() && a[0] != '-')
+          throw Error("unexpected argument '" + a +
+                      "': options start with -- (see trainer --help)");
+    }
     throw Error("unknown option '" + word + "'" + option_names_hint(word) + "; see trainer --help");
   } catch (const po::too_many_positional_options_error&) {
     std::string first;
@@ -349,6 +355,9 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
   CommandLine cl;
   std::map<std::string, bool> list_started;
   for (const auto& o : parsed.options) {
+    if (o.string_key.empty() || o.position_key >= 0)
+      throw Error("unexpected argument '" + (o.value.empty() ? std::string() : o.value.front()) +
+                  "': options start with -- (see trainer --help)");
     std::string name = o.string_key == "h" ? "help" : o.string_key;
     const OptionSpec* spec = find_option(name);
     if (!spec) throw Error("unknown option '--" + name + "'" + option_names_hint("--" + name));
@@ -391,8 +400,9 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
         }
         break;
       default: {
-        if (o.value.empty()) throw Error(label + ": needs a value");
-        Setting s{parse_cli_value(*spec, o.value.back()), label};
+        // A flag without "=value" is true (Boost leaves implicit values out of the tokens).
+        if (o.value.empty() && spec->kind != Kind::Flag) throw Error(label + ": needs a value");
+        Setting s{parse_cli_value(*spec, o.value.empty() ? "true" : o.value.back()), label};
         check_value(*spec, s);
         cl.layer.values[name] = s;  // the last occurrence wins
       }

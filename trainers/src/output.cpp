@@ -208,7 +208,9 @@ Progress::Progress(std::ostream& out, bool terminal, int64_t total_steps, int64_
 void Progress::update(const StepMetrics& m, double elapsed) {
   const double rate = elapsed > 0 ? static_cast<double>(m.step) / elapsed : 0;
   const double eta = rate > 0 ? static_cast<double>(total_ - m.step) / rate : 0;
-  const double lr = m.lrs.empty() ? 0 : m.lrs.front();
+  // The step size actually applied (Adafactor's relative step, auto-LR's d*lr), first group.
+  const double lr =
+      !m.effective_lrs.empty() ? m.effective_lrs.front() : (m.lrs.empty() ? 0 : m.lrs.front());
   char stats[256];
   std::snprintf(stats, sizeof stats, "loss %.4f  lr %.3g  %.2f it/s  peak %s", m.loss, lr, rate,
                 memory::format_bytes(m.peak_bytes).c_str());

@@ -1,0 +1,53 @@
+// The real trainer program: exit codes and one-line errors on stderr.
+#include <gtest/gtest.h>
+
+#include "trainer_test_util.h"
+
+namespace fusebox::trainer {
+namespace {
+
+using testing::count_lines;
+using testing::run_program;
+using testing::TempDir;
+
+TEST(TrainerBinary, ErrorsAreOneLineWithNonZeroExit) {
+  TempDir dir;
+  auto r = run_program("--optimizer sgd --max-train-steps=0", dir.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "trainer: error: --max-train-steps: must be at least 1, got 0\n");
+  r = run_program("--optimzer sgd", dir.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err,
+            "trainer: error: unknown option '--optimzer' (did you mean '--optimizer'?); see "
+            "trainer --help\n");
+  const std::string cfg = dir.write("bad.toml", "optimizer = \"sgd\"\n\nmodel_widht = 3\n");
+  r = run_program("--config " + cfg, dir.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "trainer: error: " + cfg +
+                       ":3:15: unknown key 'model_widht' (did you mean 'model_width'?)\n");
+  r = run_program(std::string("--plugin-dir ") + FUSEBOX_TEST_PLUGIN_DIR +
+                      " --optimizer-plugin tp_no_step_param.so --fused-backward-pass",
+                  dir.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count_lines(r.err), 1);
+  EXPECT_NE(r.err.find("tp_no_step_param.so does not support --fused-backward-pass"),
+            std::string::npos);
+}
+
+TEST(TrainerBinary, TrainsAndPrintsPlainLinesWhenNotATerminal) {
+  TempDir dir;
+  auto r = run_program(
+      std::string("--plugin-dir ") + FUSEBOX_PLUGIN_DIR +
+          " --optimizer sgd --model-width 8 --max-train-steps 4 --log-every 2 --threads 1"
+          " --output-dir " +
+          dir.file("out"),
+      dir.str());
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("step 2/4  loss "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos);
+  EXPECT_TRUE(std::filesystem::exists(dir.file("out/metrics.jsonl")));
+  EXPECT_EQ(run_program("--version", dir.str()).code, 0);
+}
+
+}  // namespace
+}  // namespace fusebox::trainer
