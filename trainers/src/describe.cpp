@@ -52,6 +52,14 @@ std::string table(const std::vector<std::vector<std::string>>& rows, const std::
   return out;
 }
 
+// A default as users would write it, with the shortest exact form of each number.
+std::string value_text(const Value& v) {
+  if (auto* d = std::get_if<double>(&v)) return format_real(*d);
+  if (auto* p = std::get_if<std::pair<double, double>>(&v))
+    return "(" + format_real(p->first) + ", " + format_real(p->second) + ")";
+  return format_value(v);
+}
+
 }  // namespace
 
 std::string list_plugins_text(PluginRegistry& registry) {
@@ -89,7 +97,7 @@ std::string describe_plugin_text(const LoadedPlugin& plugin) {
     o << "hyperparameters (--optimizer-args key=value, or an [optimizer_args] table):\n";
     std::vector<std::vector<std::string>> rows = {{"KEY", "TYPE", "DEFAULT", "RANGE", "HELP"}};
     for (const auto& spec : s.specs())
-      rows.push_back({spec.name, type_name(spec.type), format_value(spec.default_value),
+      rows.push_back({spec.name, type_name(spec.type), value_text(spec.default_value),
                       range_text(spec), spec.help});
     o << table(rows, "  ");
   }
