@@ -9,7 +9,10 @@ function(fusebox_add_plugin name)
     PREFIX ""
     CXX_VISIBILITY_PRESET hidden
     VISIBILITY_INLINES_HIDDEN ON)
-  target_link_options(${name} PRIVATE -Wl,--no-undefined)
+  # Sanitizer runtimes live in the executable, so a sanitized plugin has undefined symbols.
+  if(NOT FUSEBOX_SANITIZE)
+    target_link_options(${name} PRIVATE -Wl,--no-undefined)
+  endif()
   target_compile_options(${name} PRIVATE -Wall -Wextra)
   if(ARG_OUTPUT_DIRECTORY)
     set_target_properties(${name} PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${ARG_OUTPUT_DIRECTORY})

@@ -139,6 +139,7 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     PlannedRun p;
     try {
       p.config = resolve_config(merged, e.name);
+      p.config.resolved_config = write_config(merged, {});
       p.plugin = load_plugin(p.config);
       p.hyperparams = plugin_hyperparams(p.config, *p.plugin);
       check_checkpoint_options(p.config);

@@ -1,26 +1,84 @@
 #include "checkpoint.h"
 
+#include <filesystem>
+
 #include "fusebox/error.h"
 
 namespace fusebox::trainer {
 
+namespace fs = std::filesystem;
+
 void check_checkpoint_options(const TrainConfig& c) {
-  if (c.resume)
-    throw Error("--resume: checkpoints are not supported by this build of the trainer yet");
-  if (c.save_every_n_steps > 0)
-    throw Error(
-        "--save-every-n-steps: checkpoints are not supported by this build of the "
-        "trainer yet");
+  if (c.keep_last_n_checkpoints < 0)
+    throw Error("--keep-last-n-checkpoints must be >= 0 (0 keeps all)");
+  if (c.save_every_n_steps < 0)
+    throw Error("--save-every-n-steps must be >= 0 (0: only at the end)");
 }
 
-int64_t resume_from_checkpoint(const TrainConfig& c, Model&, StepMode&, LrScheduler&) {
-  if (c.resume) throw Error("--resume: checkpoints are not supported yet");
-  return 0;
+std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const LoadedPlugin& plugin) {
+  if (!c.resume) return std::nullopt;
+  fs::path path = *c.resume;
+  std::error_code ec;
+  if (*c.resume == "latest" || fs::is_directory(path, ec)) {
+    const fs::path dir = *c.resume == "latest" ? fs::path(c.output_dir) : path;
+    auto all = list_checkpoints(dir);
+    if (all.empty())
+      throw Error("--resume " + *c.resume + ": no checkpoint-*.fbx in " + dir.string());
+    path = all.back();
+  }
+  Checkpoint ckpt = load_checkpoint(path);
+  const std::string saved_plugin = ckpt.meta.count("plugin") ? ckpt.meta.at("plugin") : "?";
+  if (saved_plugin != plugin.info().name)
+    throw Error("--resume: " + path.string() + " was written with optimizer plugin '" +
+                saved_plugin + "', this run uses '" + plugin.info().name +
+                "': resume with --optimizer " + saved_plugin);
+  return ckpt;
 }
 
-void save_checkpoint_if_due(const TrainConfig& c, int64_t step, Model&, StepMode&, LrScheduler&) {
-  if (c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0)
-    throw Error("--save-every-n-steps: checkpoints are not supported yet");
+void restore_model(const Checkpoint& ckpt, Model& model) {
+  try {
+    restore_parameters(ckpt.model, model.parameters());
+  } catch (const Error& e) {
+    throw Error(std::string("--resume: ") + e.what());
+  }
+}
+
+int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrScheduler& scheduler,
+                               DataSource& data) {
+  try {
+    load_merged_optimizer_state(mode.optimizers(), ckpt.optimizer);
+  } catch (const Error& e) {
+    throw Error(std::string("--resume: ") + e.what());
+  }
+  scheduler.set_step_count(ckpt.counters.at("scheduler_steps"));
+  restore_rng_state(ckpt.rng);
+  if (auto it = ckpt.rng.find("data"); it != ckpt.rng.end()) data.generator().set_state(it->second);
+  return ckpt.counters.at("step");
+}
+
+void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool final) {
+  const TrainConfig& c = ctx.config;
+  if (c.output_dir.empty()) return;
+  const bool due = c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0;
+  if (!due && !final) return;
+  const fs::path path = fs::path(c.output_dir) / checkpoint_name(step);
+  std::error_code ec;
+  if (final && fs::exists(path, ec)) return;  // already saved as a periodic checkpoint
+  Checkpoint ckpt;
+  for (const auto& [name, t] : ctx.model.parameters()) ckpt.model[name] = t;
+  ckpt.optimizer = merged_optimizer_state(ctx.mode.optimizers());
+  ckpt.rng = capture_rng_state();
+  ckpt.rng["data"] = ctx.data.generator().get_state();
+  ckpt.counters["step"] = step;
+  ckpt.counters["scheduler_steps"] = ctx.scheduler.step_count();
+  ckpt.meta["plugin"] = ctx.plugin.info().name;
+  ckpt.meta["plugin_version"] = ctx.plugin.info().version;
+  ckpt.meta["mode"] = ctx.mode.name();
+  ckpt.meta["model"] = ctx.model.describe();
+  ckpt.meta["config"] = c.resolved_config;
+  fs::create_directories(c.output_dir, ec);
+  save_checkpoint(ckpt, path);
+  prune_checkpoints(c.output_dir, c.keep_last_n_checkpoints);
 }
 
 }  // namespace fusebox::trainer

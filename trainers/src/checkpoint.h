@@ -1,26 +1,51 @@
-// Where checkpoint saving and resuming plug into the run loop.
+// Checkpoint saving and resuming in the run loop.
+//
+// Order on resume matters (a resumed fused run in the seed silently stopped learning because its
+// hooks were attached before the state was restored): the checkpoint's parameters are copied into
+// the model first, in place, and only then is the step mode built (its hooks attach to these very
+// tensors); optimizer state, scheduler, RNG and data position follow.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "config.h"
+#include "data.h"
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/core/lr_scheduler.h"
+#include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
 #include "model.h"
 
 namespace fusebox::trainer {
 
-/// Refuses checkpoint options this build cannot honour (called before any work starts).
+/// Refuses inconsistent checkpoint options (called before any work starts).
 void check_checkpoint_options(const TrainConfig& config);
 
-/// Restores model, optimizer state and scheduler from --resume (when given) and returns the
-/// number of steps already done (0 without --resume). Must run before fused hooks see a step.
-int64_t resume_from_checkpoint(const TrainConfig& config, Model& model, StepMode& mode,
-                               LrScheduler& scheduler);
+/// Loads the checkpoint named by --resume (a file, a folder, or "latest" in --output-dir) and
+/// checks it was written by the same plugin; nullopt without --resume.
+std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& config,
+                                                 const LoadedPlugin& plugin);
 
-/// Saves a checkpoint after `step` steps when --save-every-n-steps says so (and prunes old ones
-/// per --keep-last-n-checkpoints).
-void save_checkpoint_if_due(const TrainConfig& config, int64_t step, Model& model, StepMode& mode,
-                            LrScheduler& scheduler);
+/// Copies the checkpoint's parameters into `model` (names and shapes must match).
+void restore_model(const Checkpoint& ckpt, Model& model);
+
+/// Restores optimizer state, scheduler, RNG and data position; returns the steps already done.
+int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrScheduler& scheduler,
+                               DataSource& data);
+
+/// Everything a checkpoint save needs from the run loop.
+struct CheckpointContext {
+  const TrainConfig& config;
+  const LoadedPlugin& plugin;
+  Model& model;
+  StepMode& mode;
+  LrScheduler& scheduler;
+  DataSource& data;
+};
+
+/// Saves a checkpoint after `step` steps when --save-every-n-steps says so or when `final`
+/// (and --output-dir is set), then prunes per --keep-last-n-checkpoints.
+void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool final);
 
 }  // namespace fusebox::trainer

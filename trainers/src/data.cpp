@@ -37,6 +37,7 @@ class MlpData : public DataSource {
 
  private:
   int64_t batch_;
+  at::Generator& generator() override { return gen_; }
   at::Generator gen_;
   at::Tensor teacher_in_, teacher_out_;
 };
@@ -62,6 +63,7 @@ class SequenceData : public DataSource {
 
  private:
   int64_t batch_, seq_len_, vocab_;
+  at::Generator& generator() override { return gen_; }
   at::Generator gen_;
   at::Tensor perm_;
 };
@@ -97,6 +99,7 @@ class TextData : public DataSource {
   std::string path_;
   int64_t batch_, window_;
   bool split_;
+  at::Generator& generator() override { return gen_; }
   at::Generator gen_;
   at::Tensor tokens_;
 };
@@ -131,6 +134,7 @@ class ImageData : public DataSource {
 
  private:
   int64_t batch_, size_;
+  at::Generator& generator() override { return gen_; }
   at::Generator gen_;
 };
 
@@ -143,6 +147,7 @@ class GaussianData : public DataSource {
 
  private:
   int64_t batch_, width_;
+  at::Generator& generator() override { return gen_; }
   at::Generator gen_;
 };
 
@@ -150,6 +155,10 @@ class NoData : public DataSource {
  public:
   Batch next() override { return Batch{at::empty({0}, kFloat), {}, {}, {}}; }
   std::string describe() const override { return "none"; }
+  at::Generator& generator() override { return gen_; }  // unused, but its state round-trips
+
+ private:
+  at::Generator gen_ = data_generator(0);
 };
 
 }  // namespace

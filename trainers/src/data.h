@@ -27,6 +27,8 @@ class DataSource {
   virtual Batch next() = 0;
   /// One line describing the data.
   virtual std::string describe() const = 0;
+  /// The generator behind the stream (its state is saved in checkpoints to resume exactly).
+  virtual at::Generator& generator() = 0;
 };
 
 /// The data for `config`'s model and dataset; throws Error naming an unreadable file.

@@ -116,6 +116,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     model = make_builtin_model(mo);
   }
   std::unique_ptr<DataSource> data = make_data(c);
+  // Parameters are restored before the step mode exists, so its hooks see the resumed tensors.
+  const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin);
+  if (resumed) restore_model(*resumed, *model);
 
   StepOptions so;
   so.max_grad_norm = c.max_grad_norm;
@@ -140,7 +143,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   sched.num_cycles = c.lr_scheduler_num_cycles;
   sched.power = c.lr_scheduler_power;
   LrScheduler scheduler(mode->optimizers(), sched);
-  const int64_t first_step = resume_from_checkpoint(c, *model, *mode, scheduler);
+  const int64_t first_step =
+      resumed ? restore_training_state(*resumed, *mode, scheduler, *data) : 0;
+  if (first_step >= c.max_train_steps)
+    throw Error("--resume: the checkpoint is at step " + std::to_string(first_step) +
+                ", --max-train-steps is " + std::to_string(c.max_train_steps) + ": nothing to do");
+  const CheckpointContext ckpt_ctx{c, plugin, *model, *mode, scheduler, *data};
 
   RunSummary summary;
   summary.name = c.name;
@@ -207,7 +215,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         summary.peak_bytes = m.peak_bytes, summary.peak_phase = m.peak_phase;
       files.add(m);
       progress.update(m, seconds_since(start));
-      save_checkpoint_if_due(c, step, *model, *mode, scheduler);
+      save_checkpoint_if_due(ckpt_ctx, step, /*final=*/step == c.max_train_steps);
     }
   } catch (const std::exception& e) {
     progress.finish();

@@ -1,0 +1,125 @@
+// Checkpoints through the trainer: a run stopped at step k and resumed equals an uninterrupted
+// run bit for bit, in every mode and across modes; bad checkpoints and mismatches are refused.
+#include <gtest/gtest.h>
+
+#include "fusebox/core/checkpoint.h"
+#include "trainer_test_util.h"
+
+using namespace fusebox::trainer::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<std::string> base_args(const std::string& out, const std::string& optimizer,
+                                   int steps) {
+  return {"--model",
+          "transformer",
+          "--model-width",
+          "16",
+          "--model-depth",
+          "2",
+          "--seq-len",
+          "8",
+          "--train-batch-size",
+          "4",
+          "--dtype",
+          "float64",
+          "--threads",
+          "1",
+          "--optimizer",
+          optimizer,
+          "--max-train-steps",
+          std::to_string(steps),
+          "--lr-scheduler",
+          "cosine",
+          "--output-dir",
+          out,
+          "--log-every",
+          "100"};
+}
+
+std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& more) {
+  a.insert(a.end(), more.begin(), more.end());
+  return a;
+}
+
+void expect_same(const std::map<std::string, at::Tensor>& a,
+                 const std::map<std::string, at::Tensor>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (const auto& [k, t] : a) EXPECT_TRUE(at::equal(t, b.at(k))) << what << ": " << k;
+}
+
+}  // namespace
+
+TEST(TrainerResume, StoppedAndResumedEqualsUninterruptedInEveryMode) {
+  TempDir tmp;
+  struct Case {
+    std::string optimizer;
+    std::vector<std::string> before, after;
+  };
+  const std::vector<Case> cases{
+      {"adamw", {}, {}},
+      {"adamw", {"--fused-backward-pass"}, {"--fused-backward-pass"}},
+      {"adamw", {"--fused-optimizer-groups", "3"}, {"--fused-optimizer-groups", "3"}},
+      {"adamw", {"--fused-optimizer-groups", "3"}, {"--fused-optimizer-groups", "2"}},
+      {"adamw", {"--fused-optimizer-groups", "2"}, {"--fused-backward-pass"}},
+      {"adafactor", {"--fused-backward-pass"}, {}},
+      {"prodigy", {}, {}},  // auto-LR: normal mode only
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    const std::string straight = tmp.file("straight" + std::to_string(i));
+    const std::string split = tmp.file("split" + std::to_string(i++));
+    // The uninterrupted run also leaves a checkpoint at step 3: the "stopped" state.
+    auto r = run_trainer(
+        with(base_args(straight, c.optimizer, 6), with(c.before, {"--save-every-n-steps", "3"})));
+    ASSERT_EQ(r.code, 0) << r.err;
+    const std::string stopped = straight + "/" + fusebox::checkpoint_name(3);
+    ASSERT_TRUE(fs::exists(stopped));
+    r = run_trainer(with(base_args(split, c.optimizer, 6), with(c.after, {"--resume", stopped})));
+    ASSERT_EQ(r.code, 0) << r.err;
+    auto a = fusebox::load_checkpoint(straight + "/" + fusebox::checkpoint_name(6));
+    auto b = fusebox::load_checkpoint(split + "/" + fusebox::checkpoint_name(6));
+    expect_same(a.model, b.model, c.optimizer + " resumed");
+    // The run really learnt after resuming: weights moved from step 3.
+    auto mid = fusebox::load_checkpoint(stopped);
+    bool moved = false;
+    for (const auto& [k, t] : mid.model) moved = moved || !at::equal(t, b.model.at(k));
+    EXPECT_TRUE(moved) << c.optimizer;
+  }
+}
+
+TEST(TrainerResume, PeriodicCheckpointsAreKeptAndPruned) {
+  TempDir tmp;
+  auto r = run_trainer(with(base_args(tmp.str(), "sgd", 7),
+                            {"--save-every-n-steps", "2", "--keep-last-n-checkpoints", "2"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto left = fusebox::list_checkpoints(tmp.str());
+  ASSERT_EQ(left.size(), 2u);
+  EXPECT_EQ(left[0].filename(), fusebox::checkpoint_name(6));
+  EXPECT_EQ(left[1].filename(), fusebox::checkpoint_name(7));  // the end of the run
+  auto ck = fusebox::load_checkpoint(left[1]);
+  EXPECT_EQ(ck.meta.at("plugin"), "sgd");
+  EXPECT_NE(ck.meta.at("config").find("max_train_steps = 7"), std::string::npos);
+}
+
+TEST(TrainerResume, MismatchesAndBadFilesAreOneLineErrors) {
+  TempDir tmp;
+  ASSERT_EQ(run_trainer(base_args(tmp.str(), "adamw", 2)).code, 0);
+  auto r = run_trainer(with(base_args(tmp.str(), "sgd", 4), {"--resume", "latest"}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("written with optimizer plugin 'adamw', this run uses 'sgd'"),
+            std::string::npos)
+      << r.err;
+  r = run_trainer(
+      with(base_args(tmp.str(), "adamw", 4), {"--model-width", "32", "--resume", "latest"}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("has shape"), std::string::npos) << r.err;
+  const std::string bad = tmp.write("bad.fbx", "not a checkpoint");
+  const std::string before = read_text(tmp.file(fusebox::checkpoint_name(2)));
+  r = run_trainer(with(base_args(tmp.str(), "adamw", 4), {"--resume", bad}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("is not a fusebox checkpoint"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_EQ(read_text(tmp.file(fusebox::checkpoint_name(2))), before);  // nothing overwritten
+}
