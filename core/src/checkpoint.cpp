@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <unistd.h>
 
@@ -266,7 +267,24 @@ std::vector<fs::path> list_checkpoints(const fs::path& dir) {
   return out;
 }
 
+void remove_stale_temporaries(const fs::path& dir) {
+  // "<name>.tmp.<pid>": written by write_file_atomically or a streaming writer of the same
+  // convention; garbage once its writer is gone (killed mid-write).
+  static const std::regex temporary(R"(.+\.tmp\.(\d+))");
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::smatch m;
+    const std::string name = e.path().filename().string();
+    if (!std::regex_match(name, m, temporary)) continue;
+    const long long pid = std::stoll(m[1]);
+    if (pid == ::getpid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;  // writer alive
+    fs::remove(e.path(), ec);
+  }
+}
+
 void prune_checkpoints(const fs::path& dir, int64_t keep) {
+  remove_stale_temporaries(dir);
   if (keep <= 0) return;
   auto all = list_checkpoints(dir);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {

@@ -8,6 +8,7 @@
 
 #include "checkpoint.h"
 #include "data.h"
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/step_mode.h"
@@ -160,6 +161,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << summary.mode << ", " << mode->optimizers().size() << " optimizer"
           << (mode->optimizers().size() == 1 ? "" : "s") << ")\n";
 
+  if (!c.output_dir.empty()) remove_stale_temporaries(c.output_dir);  // from killed runs
   MetricsFiles files(c.output_dir, scheduler.lrs().size());
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]");

@@ -68,7 +68,10 @@ void write_file_atomically(const std::filesystem::path& path, const std::string&
 std::string checkpoint_name(int64_t step);
 /// Checkpoints in `dir`, oldest first (by step number in the name).
 std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path& dir);
-/// Deletes all but the newest `keep` checkpoints in `dir` (keep <= 0: keep all).
+/// Deletes "<name>.tmp.<pid>" files in `dir` whose writing process no longer exists.
+void remove_stale_temporaries(const std::filesystem::path& dir);
+/// Deletes all but the newest `keep` checkpoints in `dir` (keep <= 0: keep all), and stale
+/// temporaries.
 void prune_checkpoints(const std::filesystem::path& dir, int64_t keep);
 
 }  // namespace fusebox
