@@ -47,11 +47,74 @@ T get(const std::string& in, size_t offset) {
   return v;
 }
 
-c10::Dict<std::string, at::Tensor> tensor_dict(const std::map<std::string, at::Tensor>& m) {
-  c10::Dict<std::string, at::Tensor> d;
-  for (const auto& [k, v] : m) d.insert(k, v.detach().to(at::kCPU).contiguous());
-  return d;
-}
+// What an entry of the payload holds.
+enum class Section : uint8_t { Model = 0, Optimizer = 1, Rng = 2, Meta = 3, Counter = 4 };
+
+// A bounds-checked cursor over an untrusted payload: every length is checked against what is
+// left before it is used, so a crafted file gives an Error, never an out-of-bounds read.
+struct Reader {
+  const std::string& data;
+  size_t pos;
+  const std::string& where;
+
+  [[noreturn]] void fail(const std::string& why) const {
+    throw Error(where + " cannot be decoded (" + why + " at byte " + std::to_string(pos) +
+                "); use an earlier checkpoint");
+  }
+  void need(uint64_t n) const {
+    if (n > data.size() - pos) fail("entry runs past the end of the file");
+  }
+  template <class T>
+  T get() {
+    need(sizeof(T));
+    T v = ::fusebox::get<T>(data, pos);
+    pos += sizeof(T);
+    return v;
+  }
+  std::string bytes(uint64_t n) {
+    need(n);
+    std::string s = data.substr(pos, n);
+    pos += n;
+    return s;
+  }
+  at::Tensor tensor() {
+    const auto type = static_cast<at::ScalarType>(get<uint8_t>());
+    switch (type) {
+      case at::kByte:
+      case at::kChar:
+      case at::kShort:
+      case at::kInt:
+      case at::kLong:
+      case at::kHalf:
+      case at::kFloat:
+      case at::kDouble:
+      case at::kBool:
+      case at::kBFloat16:
+        break;
+      default:
+        fail("unsupported tensor dtype " + std::to_string(static_cast<int>(type)));
+    }
+    const uint8_t ndim = get<uint8_t>();
+    if (ndim > 16) fail("tensor with " + std::to_string(ndim) + " dimensions");
+    std::vector<int64_t> sizes;
+    uint64_t numel = 1;
+    for (uint8_t d = 0; d < ndim; ++d) {
+      const int64_t n = get<int64_t>();
+      if (n < 0 || (n > 0 && numel > (uint64_t{1} << 48) / static_cast<uint64_t>(n)))
+        fail("bad tensor size");
+      sizes.push_back(n);
+      numel *= static_cast<uint64_t>(n);
+    }
+    const uint64_t nbytes = get<uint64_t>();
+    if (nbytes != numel * c10::elementSize(type))
+      fail("tensor byte count does not match its shape");
+    need(nbytes);
+    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(type));
+    if (nbytes > 0) std::memcpy(t.data_ptr(), data.data() + pos, nbytes);  // empty: no storage
+    pos += nbytes;
+    return t;
+  }
+};
 
 std::map<std::string, at::Tensor> tensor_map(const c10::IValue& v) {
   std::map<std::string, at::Tensor> out;
@@ -111,23 +174,39 @@ void write_file_atomically(const fs::path& path, const std::string& bytes) {
 }
 
 void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
-  c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
-  top.insert("model", tensor_dict(ckpt.model));
-  top.insert("optimizer", tensor_dict(ckpt.optimizer));
-  top.insert("rng", tensor_dict(ckpt.rng));
-  c10::Dict<std::string, std::string> meta;
-  for (const auto& [k, v] : ckpt.meta) meta.insert(k, v);
-  top.insert("meta", meta);
-  c10::Dict<std::string, int64_t> counters;
-  for (const auto& [k, v] : ckpt.counters) counters.insert(k, v);
-  top.insert("counters", counters);
-  std::vector<char> payload = torch::jit::pickle_save(c10::IValue(top));
+  std::string payload;
+  const uint64_t entries = ckpt.model.size() + ckpt.optimizer.size() + ckpt.rng.size() +
+                           ckpt.meta.size() + ckpt.counters.size();
+  put<uint64_t>(payload, entries);
+  auto key = [&](Section s, const std::string& k) {
+    put<uint8_t>(payload, static_cast<uint8_t>(s));
+    put<uint32_t>(payload, static_cast<uint32_t>(k.size()));
+    payload += k;
+  };
+  auto tensor = [&](const at::Tensor& t0) {
+    const at::Tensor t = t0.detach().to(at::kCPU).contiguous();
+    put<uint8_t>(payload, static_cast<uint8_t>(t.scalar_type()));
+    put<uint8_t>(payload, static_cast<uint8_t>(t.dim()));
+    for (int64_t d : t.sizes()) put<int64_t>(payload, d);
+    const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
+    put<uint64_t>(payload, nbytes);
+    if (nbytes > 0) payload.append(static_cast<const char*>(t.data_ptr()), nbytes);
+  };
+  for (const auto& [k, v] : ckpt.model) key(Section::Model, k), tensor(v);
+  for (const auto& [k, v] : ckpt.optimizer) key(Section::Optimizer, k), tensor(v);
+  for (const auto& [k, v] : ckpt.rng) key(Section::Rng, k), tensor(v);
+  for (const auto& [k, v] : ckpt.meta) {
+    key(Section::Meta, k);
+    put<uint32_t>(payload, static_cast<uint32_t>(v.size()));
+    payload += v;
+  }
+  for (const auto& [k, v] : ckpt.counters) key(Section::Counter, k), put<int64_t>(payload, v);
 
   std::string bytes(kMagic, sizeof(kMagic));
   put<uint32_t>(bytes, kFormatVersion);
   put<uint64_t>(bytes, payload.size());
   put<uint64_t>(bytes, fnv1a(payload.data(), payload.size()));
-  bytes.append(payload.data(), payload.size());
+  bytes += payload;
   write_file_atomically(path, bytes);
 }
 
@@ -151,22 +230,32 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where) 
   if (fnv1a(bytes.data() + kHeaderSize, size) != sum)
     throw Error(where + " is corrupt (checksum mismatch); use an earlier checkpoint");
   Checkpoint out;
-  try {
-    std::vector<char> payload(bytes.begin() + kHeaderSize, bytes.end());
-    c10::IValue top = torch::jit::pickle_load(payload);
-    auto dict = top.toGenericDict();
-    out.model = tensor_map(dict.at("model"));
-    out.optimizer = tensor_map(dict.at("optimizer"));
-    out.rng = tensor_map(dict.at("rng"));
-    for (const auto& e : dict.at("meta").toGenericDict())
-      out.meta[e.key().toStringRef()] = e.value().toStringRef();
-    for (const auto& e : dict.at("counters").toGenericDict())
-      out.counters[e.key().toStringRef()] = e.value().toInt();
-  } catch (const std::exception& e) {
-    std::string msg = e.what();
-    msg = msg.substr(0, msg.find('\n'));
-    throw Error(where + " cannot be decoded (" + msg + "); use an earlier checkpoint");
+  Reader in{bytes, kHeaderSize, where};
+  const uint64_t entries = in.get<uint64_t>();
+  for (uint64_t e = 0; e < entries; ++e) {
+    const uint8_t section = in.get<uint8_t>();
+    const std::string k = in.bytes(in.get<uint32_t>());
+    switch (static_cast<Section>(section)) {
+      case Section::Model:
+        out.model[k] = in.tensor();
+        break;
+      case Section::Optimizer:
+        out.optimizer[k] = in.tensor();
+        break;
+      case Section::Rng:
+        out.rng[k] = in.tensor();
+        break;
+      case Section::Meta:
+        out.meta[k] = in.bytes(in.get<uint32_t>());
+        break;
+      case Section::Counter:
+        out.counters[k] = in.get<int64_t>();
+        break;
+      default:
+        in.fail("unknown section " + std::to_string(section));
+    }
   }
+  if (in.pos != bytes.size()) in.fail("trailing bytes");
   return out;
 }
 

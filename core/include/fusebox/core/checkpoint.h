@@ -1,7 +1,10 @@
 // Checkpoints that survive being killed mid-write, and model weights Python can read.
 //
 // A checkpoint file is a small header (magic, format version, payload size, FNV-1a checksum)
-// followed by a payload in torch's pickle format. It is written to a temporary file in the same
+// followed by a payload of named entries (raw tensors with dtype and shape, strings, integers),
+// decoded with every length checked: a corrupt or crafted file is an Error, never a crash.
+// (LibTorch 1.13's pickle reader can read out of bounds on a crafted file, so it is used only for
+// model weights meant for Python.) It is written to a temporary file in the same
 // folder, flushed, fsynced and renamed over the target, so an interrupted write never replaces
 // the last good checkpoint; the checksum catches truncation and corruption before any parsing.
 // Optimizer state is keyed by parameter name, so a checkpoint saved with N optimizer groups
