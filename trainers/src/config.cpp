@@ -95,8 +95,14 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.fused_backward_pass = r.get<bool>("fused-backward-pass");
   c.fused_optimizer_groups = r.maybe<int64_t>("fused-optimizer-groups").value_or(0);
   c.fused_optimizer_groups_split = r.get<std::string>("fused-optimizer-groups-split");
+  c.on_non_finite = r.get<std::string>("on-non-finite");
 
   const bool grouped = r.has("fused-optimizer-groups");
+  if (c.on_non_finite == "skip" && (c.fused_backward_pass || grouped))
+    throw Error(r.label("on-non-finite") +
+                ": skip is possible only in normal mode: with --fused-backward-pass or "
+                "--fused-optimizer-groups some parameters are already updated when a later "
+                "gradient turns out non-finite (use stop)");
   if (c.fused_backward_pass && grouped)
     throw Error(r.label("fused-optimizer-groups") +
                 ": cannot be combined with --fused-backward-pass; choose one of the two modes");

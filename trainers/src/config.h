@@ -31,6 +31,7 @@ struct TrainConfig {
   bool fused_backward_pass = false;
   int64_t fused_optimizer_groups = 0;  ///< 0: not grouped
   std::string fused_optimizer_groups_split;
+  std::string on_non_finite;  ///< "stop" or "skip"
 
   // Precision and device.
   std::string mixed_precision, dtype, device;

@@ -98,6 +98,10 @@ std::vector<OptionSpec> build_specs() {
                   "how groups are cut: balanced by bytes (size) or by tensor count (count)",
                   "size|count")),
           {"size", "count"});
+  choices(add(opt("on-non-finite", Kind::Choice, std::string("stop"),
+                  "NaN/Inf loss or gradient: stop the run, or skip that step (normal mode only)",
+                  "stop|skip")),
+          {"stop", "skip"});
 
   section = "Precision and device";
   choices(add(opt("mixed-precision", Kind::Choice, std::string("no"),

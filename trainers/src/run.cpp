@@ -123,6 +123,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
 
   StepOptions so;
   so.max_grad_norm = c.max_grad_norm;
+  so.non_finite = c.on_non_finite == "skip" ? NonFinitePolicy::Skip : NonFinitePolicy::Stop;
   so.warn = [&con](const std::string& m) { con.err << "trainer: warning: " << m << "\n"; };
   std::vector<ParamGroup> groups = param_groups(*model);
   std::unique_ptr<StepMode> mode;
@@ -177,6 +178,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       const Clock::time_point t0 = Clock::now();
       if (device.is_cpu()) memory::reset_peak();
       double loss_sum = 0;
+      bool bad_loss = false;  // --on-non-finite skip: this step's update is dropped
       for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
         Batch batch = to_device(data->next(), device, dtype, loss_dtype);
         memory::mark_phase("forward");
@@ -187,12 +189,29 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         }
         if (c.gradient_accumulation_steps > 1)
           loss = loss / static_cast<double>(c.gradient_accumulation_steps);
-        loss_sum += loss.detach().to(at::kDouble).item<double>();
+        const double loss_value = loss.detach().to(at::kDouble).item<double>();
+        if (!std::isfinite(loss_value)) {
+          // Caught before backward: in fused and grouped modes nothing has been updated yet.
+          if (c.on_non_finite == "stop")
+            throw NonFiniteError("non-finite loss (" + std::to_string(loss_value) +
+                                 "); no parameter was updated in this step");
+          bad_loss = true;
+        }
+        loss_sum += loss_value;
+        if (bad_loss) continue;
         memory::mark_phase("backward");
         mode->backward(loss);
       }
       memory::mark_phase("step");
-      StepStats stats = mode->step();
+      StepStats stats;
+      if (bad_loss) {
+        for (const auto& opt : mode->optimizers()) opt->zero_grad(true);
+        stats.skipped = true;
+        con.err << "trainer: warning: non-finite loss at step " << step
+                << ": this step's update was skipped\n";
+      } else {
+        stats = mode->step();
+      }
       StepMetrics m;
       m.step = step;
       m.loss = loss_sum;

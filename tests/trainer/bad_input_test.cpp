@@ -1,0 +1,121 @@
+// Bad input through the real trainer program: each case exits non-zero (never by a signal), prints
+// exactly one line on stderr naming the culprit, and leaves nothing in the output folder.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "trainer_test_util.h"
+
+namespace fs = std::filesystem;
+using namespace fusebox::trainer::testing;
+
+namespace {
+
+struct BadCase {
+  std::string name;
+  std::string args;      // {dir} is replaced by the case's folder
+  std::string fragment;  // must appear in the error line
+  int code;              // expected exit code
+};
+
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  for (size_t p = s.find(from); p != std::string::npos; p = s.find(from, p + to.size()))
+    s.replace(p, from.size(), to);
+  return s;
+}
+
+}  // namespace
+
+TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
+  TempDir tmp;
+  const std::string tp = FUSEBOX_TEST_PLUGIN_DIR;
+  const std::string small = "--model mlp --model-width 8 --max-train-steps 3 --threads 1 ";
+  // Files the cases refer to.
+  tmp.write("malformed.toml", "model = [\"mlp\"\nseed = 1\n");
+  tmp.write("illtyped.toml", "max_train_steps = \"ten\"\n");
+  tmp.write("unknown.toml", "optimizer = \"sgd\"\nlearning_rat = 0.1\n");
+  tmp.write("text.so", "definitely not a library\n");
+  {
+    unsigned char h[64] = {0x7f, 'E', 'L', 'F', 2, 1, 1};
+    h[16] = 3;
+    h[18] = 183;  // EM_AARCH64
+#if defined(__aarch64__)
+    h[18] = 62;
+#endif
+    std::ofstream(tmp.file("arm.so"), std::ios::binary).write(reinterpret_cast<char*>(h), 64);
+  }
+  tmp.write("corrupt.fbx", "FUSEBOX-CKPT but then garbage");
+  tmp.write("a_file", "x");
+
+  const std::vector<BadCase> cases{
+      {"malformed toml", "--config {dir}/malformed.toml", "malformed.toml:", 2},
+      {"ill-typed key", "--config {dir}/illtyped.toml", "max_train_steps", 2},
+      {"unknown key", "--config {dir}/unknown.toml", "did you mean 'learning_rate'", 2},
+      {"unknown flag", "--optimizer sgd --fused-backwards-pass", "--fused-backward-pass", 2},
+      {"out of range", "--optimizer sgd --train-batch-size 0", "--train-batch-size", 2},
+      {"fused + groups", "--optimizer sgd --fused-backward-pass --fused-optimizer-groups 2",
+       "--fused-optimizer-groups", 2},
+      {"fused + accumulation",
+       "--optimizer sgd --fused-backward-pass --gradient-accumulation-steps 2",
+       "--gradient-accumulation-steps", 2},
+      {"groups + auto-LR", "--optimizer prodigy --fused-optimizer-groups 2",
+       "cannot be used with prodigy", 2},
+      {"fused without step_param",
+       "--optimizer-plugin " + tp + "/tp_no_step_param.so --fused-backward-pass",
+       "does not declare supports_step_param", 2},
+      {"missing plugin", "--optimizer-plugin /nonexistent/x.so", "does not exist", 2},
+      {"text file named .so", "--optimizer-plugin {dir}/text.so", "is not a shared library", 2},
+      {"foreign ELF", "--optimizer-plugin {dir}/arm.so", "built for another architecture", 2},
+      {"no entry point", "--optimizer-plugin " + tp + "/tp_no_entry.so",
+       "has no fusebox_plugin_entry", 2},
+      {"ABI mismatch", "--optimizer-plugin " + tp + "/tp_api_major.so", "uses plugin API 2.0", 2},
+      {"factory throws", "--optimizer-plugin " + tp + "/tp_factory_throws.so",
+       "factory refuses to build", 2},
+      {"step_param throws",
+       "--optimizer-plugin " + tp + "/tp_step_param_throws.so --fused-backward-pass",
+       "step_param exploded on purpose", 3},
+      {"step throws", "--optimizer-plugin " + tp + "/tp_step_throws.so", "step exploded", 3},
+      {"bad hyperparameter", "--optimizer adamw --optimizer-args betas=\'(0.9,1.5)\'", "'betas'", 2},
+      {"unknown hyperparameter", "--optimizer adamw --optimizer-args beta=0.9",
+       "did you mean 'betas'", 2},
+      {"missing dataset", "--optimizer sgd --model transformer --dataset text:/nonexistent/t.txt",
+       "/nonexistent/t.txt", 2},
+      {"missing model script", "--optimizer sgd --model-script /nonexistent/m.pt",
+       "/nonexistent/m.pt", 2},
+      {"unwritable output", "--optimizer sgd --output-dir {dir}/a_file/out", "a_file", 2},
+      {"corrupt checkpoint", "--optimizer sgd --resume {dir}/corrupt.fbx", "corrupt.fbx", 2},
+      {"NaN loss", "--optimizer sgd --learning-rate 1e6 --max-train-steps 40", "non-finite", 3},
+  };
+  int i = 0;
+  for (const BadCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string out = tmp.file("out" + std::to_string(i++));
+    std::string args = replace_all(c.args, "{dir}", tmp.str());
+    if (args.find("--output-dir") == std::string::npos) args += " --output-dir " + out;
+    if (args.find("--config") == std::string::npos) args = small + args;
+    const auto r = run_program(args, tmp.str());
+    EXPECT_EQ(r.code, c.code) << r.err;  // -1 would mean killed by a signal
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_EQ(r.err.rfind("trainer: error: ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(c.fragment), std::string::npos) << r.err;
+    std::error_code ec;
+    if (fs::exists(out, ec)) {
+      EXPECT_TRUE(fs::is_empty(out, ec)) << "files left in " << out;
+    }
+  }
+}
+
+TEST(TrainerBadInput, NonFiniteSkipPolicyIsNormalModeOnly) {
+  TempDir tmp;
+  const std::string base =
+      "--model mlp --model-width 8 --threads 1 --optimizer sgd --learning-rate 1e6 "
+      "--max-train-steps 40 --on-non-finite skip --output-dir " +
+      tmp.file("out");
+  auto r = run_program(base, tmp.str());
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("was skipped"), std::string::npos) << r.err;
+  r = run_program(base + " --fused-backward-pass", tmp.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--on-non-finite: skip is possible only in normal mode"), std::string::npos)
+      << r.err;
+}
