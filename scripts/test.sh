@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 # OpenMP threads that spin while waiting starve each other on a busy machine.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 bash scripts/build.sh
-(cd build && ctest --output-on-failure -j "$(nproc)" --timeout 900)
-# Core and plugin tests again under AddressSanitizer + UndefinedBehaviorSanitizer, then each
-# libFuzzer target briefly (FUSEBOX_FUZZ_SECONDS, default 60).
+# Core and plugin tests under AddressSanitizer + UndefinedBehaviorSanitizer, then each libFuzzer
+# target briefly (FUSEBOX_FUZZ_SECONDS, default 60).
 bash scripts/sanitize.sh "${FUSEBOX_FUZZ_SECONDS:-60}"
+# The whole suite (ctest's summary is the last line).
+cd build
+ctest --output-on-failure -j "$(nproc)" --timeout 900
