@@ -105,20 +105,27 @@ std::string type_name(ParamType t) {
   return "?";
 }
 
-std::string format_value(const Value& v) {
+// The shortest decimal that reads back as exactly `d` (1e-30, not 1.0000000000000001e-30).
+static std::string shortest(double d) {
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::ostringstream o;
+    o.precision(digits);
+    o << d;
+    if (std::strtod(o.str().c_str(), nullptr) == d) return o.str();
+  }
   std::ostringstream o;
   o.precision(17);
+  o << d;
+  return o.str();
+}
+
+std::string format_value(const Value& v) {
   if (std::holds_alternative<std::monostate>(v)) return "none";
   if (auto* b = std::get_if<bool>(&v)) return *b ? "true" : "false";
   if (auto* i = std::get_if<int64_t>(&v)) return std::to_string(*i);
-  if (auto* d = std::get_if<double>(&v)) {
-    o << *d;
-    return o.str();
-  }
-  if (auto* p = std::get_if<std::pair<double, double>>(&v)) {
-    o << "(" << p->first << ", " << p->second << ")";
-    return o.str();
-  }
+  if (auto* d = std::get_if<double>(&v)) return shortest(*d);
+  if (auto* p = std::get_if<std::pair<double, double>>(&v))
+    return "(" + shortest(p->first) + ", " + shortest(p->second) + ")";
   return std::get<std::string>(v);
 }
 
