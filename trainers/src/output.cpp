@@ -113,7 +113,8 @@ std::string summary_json(const RunSummary& s) {
     << ",\"first_loss\":" << json_number(s.first_loss)
     << ",\"last_loss\":" << json_number(s.last_loss) << ",\"peak_bytes\":" << s.peak_bytes
     << ",\"peak_phase\":" << json_string(s.peak_phase) << ",\"parameters\":" << s.parameters
-    << "}\n";
+    << ",\"weights_bytes\":" << s.weights_bytes << ",\"optimizer_state_bytes\":" << s.state_bytes
+    << ",\"grads_alive_bytes\":" << s.grads_alive_bytes << "}\n";
   return o.str();
 }
 
@@ -125,6 +126,7 @@ std::string summary_text(const RunSummary& s) {
     << short_number(s.last_loss) << "; peak tensor memory " << memory::format_bytes(s.peak_bytes);
   if (!s.peak_phase.empty()) o << " (during " << s.peak_phase << ")";
   o << "\n";
+  if (!s.memory_breakdown.empty()) o << "  memory: " << s.memory_breakdown << "\n";
   return o.str();
 }
 

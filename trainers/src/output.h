@@ -56,6 +56,8 @@ struct RunSummary {
   int64_t peak_bytes = 0;
   std::string peak_phase;
   int64_t parameters = 0;
+  std::string memory_breakdown;  ///< analytic accounting next to the measured peak
+  int64_t weights_bytes = 0, state_bytes = 0, grads_alive_bytes = 0;
 };
 
 /// JSON text of a summary.

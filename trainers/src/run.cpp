@@ -10,6 +10,7 @@
 #include "data.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/lr_scheduler.h"
+#include "fusebox/core/memory_accounting.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/step_mode.h"
 #include "model.h"
@@ -246,6 +247,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   progress.finish();
   summary.wall_seconds = seconds_since(start);
+  const memory::Breakdown acct = memory::account(*mode, summary.peak_bytes);
+  summary.memory_breakdown = memory::describe(acct, mode->name());
+  summary.weights_bytes = acct.weights, summary.state_bytes = acct.state;
+  summary.grads_alive_bytes = acct.grads_alive;
   if (c.save_model) model->save(*c.save_model);
   files.commit(summary);
   return summary;
