@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 fuzz_seconds=${1:-60}
 bash scripts/setup.sh
 export CCACHE_BASEDIR="$PWD"
-CC=clang CXX=clang++ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+CC=clang CXX=clang++ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
   -DFUSEBOX_SANITIZE=ON -DFUSEBOX_FUZZ=ON -DFUSEBOX_BUILD_TRAINER=OFF -DFUSEBOX_BUILD_BENCH=OFF >/dev/null
 cmake --build build-asan -j "$(nproc)" --target core_tests plugin_tests conformance_tests \
   checkpoint_fuzz config_fuzz fusebox_test_plugins
