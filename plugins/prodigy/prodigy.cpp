@@ -53,15 +53,9 @@ class Prodigy final : public fusebox::Optimizer {
     at::NoGradGuard no_grad;
     double& d = globals()["d"];
     double& k = globals()["k"];
-    double lr = 0;
-    for (size_t g = 0; g < num_groups(); ++g) lr = std::max(lr, this->lr(g));
-    for (size_t g = 0; g < num_groups(); ++g)
-      if (this->lr(g) != lr && this->lr(g) != 0)
-        throw fusebox::Error("prodigy: every parameter group needs the same lr (or 0)");
+    const double lr = fusebox::shared_lr(*this, "prodigy");
     const int64_t step = static_cast<int64_t>(k) + 1;
-    const double bc = bias_correction_ ? std::sqrt(fusebox::bias_correction(beta2_, step)) /
-                                             fusebox::bias_correction(beta1_, step)
-                                       : 1.0;
+    const double bc = fusebox::adam_bias_factor(bias_correction_, beta1_, beta2_, step);
     const double dlr = d * lr * bc;
 
     // Pass 1: moments, s, and the sums for d, accumulated on the device (one host sync).

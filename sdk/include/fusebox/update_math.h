@@ -4,10 +4,14 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
+
+#include "fusebox/optimizer.h"
 
 namespace fusebox {
 
@@ -17,6 +21,25 @@ inline at::Tensor rms(const at::Tensor& x) {
 }
 
 /// 1 - beta^step, the usual Adam-style bias correction.
+inline double bias_correction(double beta, int64_t step);
+
+/// Adam's bias correction folded into a step size, sqrt(1 - beta2^t) / (1 - beta1^t), or 1 when
+/// `enabled` is false (auto-LR algorithms' use_bias_correction).
+inline double adam_bias_factor(bool enabled, double beta1, double beta2, int64_t step) {
+  return enabled ? std::sqrt(bias_correction(beta2, step)) / bias_correction(beta1, step) : 1.0;
+}
+
+/// The one lr that every group with a non-zero lr shares (auto-LR algorithms estimate a single
+/// step size); throws naming `plugin` when groups disagree.
+inline double shared_lr(const Optimizer& opt, const std::string& plugin) {
+  double lr = 0;
+  for (size_t g = 0; g < opt.num_groups(); ++g) lr = std::max(lr, opt.lr(g));
+  for (size_t g = 0; g < opt.num_groups(); ++g)
+    if (opt.lr(g) != lr && opt.lr(g) != 0)
+      throw Error(plugin + ": every parameter group needs the same lr (or 0)");
+  return lr;
+}
+
 inline double bias_correction(double beta, int64_t step) {
   return 1.0 - std::pow(beta, static_cast<double>(step));
 }

@@ -1,0 +1,64 @@
+// Adam and AdamW share everything but where weight decay enters (torch.optim semantics):
+// Adam adds wd·θ to the gradient (L2), AdamW shrinks θ by (1 - lr·wd) before the moments.
+#pragma once
+
+#include <fusebox/sdk.h>
+
+namespace fusebox_plugins {
+
+template <bool Decoupled>
+class AdamFamily final : public fusebox::Optimizer {
+ public:
+  static void declare_schema(fusebox::Schema& s) {
+    s.real("lr", 1e-3, "learning rate").above(0);
+    s.real_pair("betas", {0.9, 0.999}, "decay of the first and second moments")
+        .at_least(0)
+        .below(1);
+    s.real("eps", 1e-8, "added to the denominator").at_least(0);
+    if (Decoupled)
+      s.real("weight_decay", 1e-2, "decoupled weight decay: θ ← θ·(1 - lr·wd) before the moments")
+          .at_least(0);
+    else
+      s.real("weight_decay", 0.0, "L2 penalty added to the gradient").at_least(0);
+    s.flag("amsgrad", false, "use the running maximum of the second moment (AMSGrad)");
+    s.flag("stochastic_rounding", false, "round bf16 parameters stochastically on write-back");
+  }
+
+  AdamFamily(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)
+      : Optimizer(std::move(groups), hp),
+        beta1_(hp.real_pair("betas").first),
+        beta2_(hp.real_pair("betas").second),
+        eps_(hp.real("eps")),
+        weight_decay_(hp.real("weight_decay")),
+        amsgrad_(hp.flag("amsgrad")),
+        stochastic_(hp.flag("stochastic_rounding")) {}
+
+ protected:
+  void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t group) override {
+    at::Tensor p = fusebox::fp32_view(param);
+    at::Tensor g = param.grad().to(p.scalar_type());
+    if (state.step == 0) {
+      state["exp_avg"] = at::zeros_like(p);
+      state["exp_avg_sq"] = at::zeros_like(p);
+      if (amsgrad_) state["max_exp_avg_sq"] = at::zeros_like(p);
+    }
+    ++state.step;
+    const double lr = this->lr(group);
+    if (weight_decay_ != 0) {
+      if (Decoupled)
+        p.mul_(1.0 - lr * weight_decay_);
+      else
+        g = g.add(p, weight_decay_);
+    }
+    fusebox::adam_step_(p, g, state["exp_avg"], state["exp_avg_sq"],
+                        amsgrad_ ? state["max_exp_avg_sq"] : at::Tensor(), state.step, lr, beta1_,
+                        beta2_, eps_);
+    fusebox::write_back(param, p, stochastic_);
+  }
+
+ private:
+  double beta1_, beta2_, eps_, weight_decay_;
+  bool amsgrad_, stochastic_;
+};
+
+}  // namespace fusebox_plugins
