@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <torch/optim/adam.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -95,6 +97,7 @@ struct ModeSpec {
   std::string label, kind;
   int64_t groups = 0;
   SplitPolicy policy = SplitPolicy::Size;
+  bool checks = true;  // non-finite check and grad-norm statistics (the defaults)
 };
 
 // Runs warm-up steps (state gets created), then `steps` measured steps.
@@ -110,6 +113,7 @@ Row measure(const LoadedPlugin& plugin, const ChainModel& proto, const std::stri
   HyperParams hp = plugin.validate(args);
   StepOptions o;
   o.warn = [](const std::string&) {};
+  o.check_finite = o.track_grad_norm = spec.checks;
   std::unique_ptr<StepMode> mode;
   if (spec.kind == "normal") mode = make_normal_step(plugin.create(model.groups(), hp), o);
   if (spec.kind == "fused") mode = make_fused_backward(plugin.create(model.groups(), hp), o);
@@ -263,6 +267,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // glibc hands large blocks back to the kernel and maps them anew (with page faults) depending
+  // on the recent allocation pattern, which differs between modes and swamps their real cost.
+  // Keep freed memory in the process so every mode is timed on the same footing.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_TOP_PAD, 256 << 20);
   mem::install_cpu_tracking();
   try {
     PluginRegistry registry;
@@ -270,6 +280,9 @@ int main(int argc, char** argv) {
                                                        registry.load_file("adamw.so"),
                                                        registry.load_file("sgd.so")};
     std::vector<ModeSpec> modes{{"normal", "normal"}, {"fused", "fused"}};
+    ModeSpec unchecked{"fused, no checks", "fused"};
+    unchecked.checks = false;  // like the peer: no non-finite check, no grad-norm statistics
+    modes.push_back(unchecked);
     for (int64_t n : {2, 4, 10}) {
       modes.push_back({"groups " + std::to_string(n) + " size", "groups", n, SplitPolicy::Size});
       modes.push_back({"groups " + std::to_string(n) + " count", "groups", n, SplitPolicy::Count});
@@ -297,7 +310,8 @@ int main(int argc, char** argv) {
         }
         if (plugin->info().name == "adamw") {
           Row peer = measure_peer(model, name, steps);
-          peer.ms_ratio = peer.ms / rows[rows.size() - modes.size() + 1].ms;  // vs fusebox fused
+          // Like for like: against fusebox fused without the checks the peer does not do.
+          peer.ms_ratio = peer.ms / rows[rows.size() - modes.size() + 2].ms;
           peer.saving = static_cast<double>(normal_peak - peer.peak) / peer.grad_bytes;
           rows.push_back(peer);
         }
@@ -315,7 +329,7 @@ int main(int argc, char** argv) {
          << (peer ? "-" : mib(r.lower)) << " | "
          << (peer ? "-" : fixed(static_cast<double>(r.peak) / r.lower)) << " | "
          << fixed(100 * r.saving, 0) << "% | " << fixed(r.ms, 1) << " | " << fixed(r.ms_ratio)
-         << (peer ? " (vs fusebox fused)" : "") << " |\n";
+         << (peer ? " (vs fused, no checks)" : "") << " |\n";
       json << "  {\"model\": \"" << r.model << "\", \"plugin\": \"" << r.plugin
            << "\", \"mode\": \"" << r.mode << "\", \"params\": " << r.params
            << ", \"peak_bytes\": " << r.peak << ", \"lower_bound_bytes\": " << r.lower

@@ -32,14 +32,16 @@ void HookedStep::ready(size_t i) {
     fired_[i] = true;
     if (!param.grad().defined()) return;
     if (options_.track_grad_bytes) peak_bytes_ = std::max(peak_bytes_, live_grad_bytes(params_));
-    if (options_.check_finite && !grad_is_finite(param))
+    // One reduction serves the non-finite check, clipping and the statistics.
+    at::Tensor norm;
+    if (options_.check_finite || options_.max_grad_norm > 0 || options_.track_grad_norm)
+      norm = param.grad().norm();
+    if (options_.check_finite && !norm_says_finite(param, norm))
       throw NonFiniteError("non-finite gradient in parameter '" + names_[i] +
                            "' during the fused backward pass; it was not updated (parameters "
                            "updated earlier in this pass hold finite values)");
-    if (options_.max_grad_norm > 0)
-      add_sq(sum_sq_, clip_grad_norm_one(param, options_.max_grad_norm));
-    else if (options_.track_grad_norm)
-      add_sq(sum_sq_, param.grad().norm());
+    if (options_.max_grad_norm > 0) clip_by_norm_(param, norm, options_.max_grad_norm);
+    if (norm.defined()) add_sq(sum_sq_, norm);
     on_gradient(i);
   } catch (...) {
     error_ = std::current_exception();

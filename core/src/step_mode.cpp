@@ -15,11 +15,8 @@ StepMode::~StepMode() = default;
 void StepMode::backward(const at::Tensor& loss) { loss.backward(); }
 
 at::Tensor clip_grad_norm_one(const at::Tensor& param, double max_norm) {
-  at::Tensor grad = param.grad();
-  at::Tensor norm = grad.norm();
-  // torch.nn.utils.clip_grad_norm_'s rule: coef = max_norm / (norm + 1e-6), clamped to 1.
-  at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max_(1.0);
-  grad.mul_(coef);
+  at::Tensor norm = param.grad().norm();
+  detail::clip_by_norm_(param, norm, max_norm);
   return norm;
 }
 
@@ -32,6 +29,17 @@ std::function<void(const std::string&)> warner(const StepOptions& o) {
 
 bool grad_is_finite(const at::Tensor& param) {
   return at::isfinite(param.grad()).all().item<bool>();
+}
+
+bool norm_says_finite(const at::Tensor& param, const at::Tensor& norm) {
+  if (param.grad().scalar_type() == at::kHalf) return grad_is_finite(param);
+  return std::isfinite(norm.item<double>());
+}
+
+void clip_by_norm_(const at::Tensor& param, const at::Tensor& norm, double max_norm) {
+  // torch.nn.utils.clip_grad_norm_'s rule: coef = max_norm / (norm + 1e-6), clamped to 1.
+  at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max_(1.0);
+  param.grad().mul_(coef);
 }
 
 int64_t live_grad_bytes(const std::vector<at::Tensor>& params) {
@@ -54,6 +62,13 @@ void add_sq(at::Tensor& sum_sq, const at::Tensor& norm) {
 
 namespace {
 
+std::vector<at::Tensor> norms_as_double(const std::vector<at::Tensor>& norms) {
+  std::vector<at::Tensor> out;
+  out.reserve(norms.size());
+  for (const auto& n : norms) out.push_back(n.to(at::kDouble));
+  return out;
+}
+
 class NormalStep final : public StepMode {
  public:
   NormalStep(std::shared_ptr<Optimizer> optimizer, StepOptions options)
@@ -70,9 +85,30 @@ class NormalStep final : public StepMode {
     StepStats stats;
     Optimizer& opt = *optimizers_[0];
     if (options_.track_grad_bytes) stats.peak_grad_bytes = detail::live_grad_bytes(params_);
-    if (options_.check_finite) {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (!params_[i].grad().defined() || detail::grad_is_finite(params_[i])) continue;
+    // One norm per gradient serves the non-finite check, clipping and the statistics.
+    std::vector<size_t> with_grad;
+    std::vector<at::Tensor> norms;
+    const bool want_norms =
+        options_.check_finite || options_.max_grad_norm > 0 || options_.track_grad_norm;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].grad().defined()) continue;
+      with_grad.push_back(i);
+      if (want_norms) norms.push_back(params_[i].grad().norm());
+    }
+    if (norms.empty()) {
+      opt.step();
+      opt.zero_grad(true);
+      stats.params_stepped = static_cast<int64_t>(with_grad.size());
+      return stats;
+    }
+    at::Tensor all = at::stack(norms_as_double(norms));
+    at::Tensor total = all.norm();
+    // A non-finite value always makes its norm non-finite: one sync for the common case; the
+    // per-tensor look (which also clears fp16 norms that merely overflowed) only on suspicion.
+    if (options_.check_finite && !at::isfinite(all).all().item<bool>()) {
+      for (size_t k = 0; k < with_grad.size(); ++k) {
+        const size_t i = with_grad[k];
+        if (detail::norm_says_finite(params_[i], norms[k])) continue;
         if (options_.non_finite == NonFinitePolicy::Skip) {
           detail::warner(options_)("non-finite gradient in parameter '" + names_[i] +
                                    "': this iteration's update was skipped");
@@ -84,29 +120,18 @@ class NormalStep final : public StepMode {
                              "'; no parameter was updated in this iteration");
       }
     }
-    at::Tensor sum_sq;
-    std::vector<at::Tensor> norms;
-    for (const auto& p : params_) {
-      if (!p.grad().defined()) continue;
-      ++stats.params_stepped;
-      if (options_.max_grad_norm > 0 && options_.clip_per_tensor) {
-        detail::add_sq(sum_sq, clip_grad_norm_one(p, options_.max_grad_norm));
-      } else if (options_.max_grad_norm > 0 || options_.track_grad_norm) {
-        norms.push_back(p.grad().norm().to(at::kDouble));
-      }
-    }
-    if (!norms.empty()) {
-      // Global clipping exactly as torch.nn.utils.clip_grad_norm_ does it.
-      at::Tensor total = at::stack(norms).norm();
-      if (options_.max_grad_norm > 0) {
+    if (options_.max_grad_norm > 0) {
+      if (options_.clip_per_tensor) {
+        for (size_t k = 0; k < with_grad.size(); ++k)
+          detail::clip_by_norm_(params_[with_grad[k]], norms[k], options_.max_grad_norm);
+      } else {
+        // Global clipping exactly as torch.nn.utils.clip_grad_norm_ does it.
         at::Tensor coef = (options_.max_grad_norm / (total + 1e-6)).clamp_max_(1.0);
-        for (const auto& p : params_)
-          if (p.grad().defined()) p.grad().mul_(coef.to(p.grad().scalar_type()));
+        for (size_t i : with_grad) params_[i].grad().mul_(coef.to(params_[i].grad().scalar_type()));
       }
-      stats.grad_norm = total.item<double>();
-    } else {
-      stats.grad_norm = detail::finish_norm(sum_sq);
     }
+    stats.grad_norm = total.item<double>();
+    stats.params_stepped = static_cast<int64_t>(with_grad.size());
     opt.step();
     opt.zero_grad(true);
     return stats;

@@ -17,6 +17,12 @@ namespace fusebox::detail {
 std::function<void(const std::string&)> warner(const StepOptions& o);
 /// True when `param.grad()` holds only finite values (one host sync).
 bool grad_is_finite(const at::Tensor& param);
+/// The same answer from the gradient's norm, already computed: a norm is finite exactly when
+/// every value is, unless the sum of squares overflows, which only fp16 can do for sane
+/// gradients (so fp16 is checked value by value). One host sync.
+bool norm_says_finite(const at::Tensor& param, const at::Tensor& norm);
+/// Scales `param.grad()` so its norm (given) is at most `max_norm` (clip_grad_norm_'s rule).
+void clip_by_norm_(const at::Tensor& param, const at::Tensor& norm, double max_norm);
 /// Bytes of all defined gradients of `params`.
 int64_t live_grad_bytes(const std::vector<at::Tensor>& params);
 /// sqrt of an accumulated sum of squares, or -1 when nothing was accumulated.
