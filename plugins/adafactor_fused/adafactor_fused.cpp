@@ -80,14 +80,7 @@ class Adafactor final : public fusebox::Optimizer {
     const double beta2t = 1.0 - std::pow(static_cast<double>(t), decay_rate_);
 
     at::Tensor u = g.square().add_(eps1_);
-    if (factored) {
-      fusebox::factored_ema_(state["exp_avg_sq_row"], state["exp_avg_sq_col"], u, beta2t);
-      fusebox::factored_rsqrt_out(u, state["exp_avg_sq_row"], state["exp_avg_sq_col"]);
-    } else {
-      state["exp_avg_sq"].mul_(beta2t).add_(u, 1.0 - beta2t);
-      at::rsqrt_out(u, state["exp_avg_sq"]);
-    }
-    u.mul_(g).div_((fusebox::rms(u) / clip_).clamp_min_(1.0));
+    fusebox::second_moment_update_(u, g, state, factored, beta2t, clip_);
     // alpha = rho * max(eps2, RMS), kept on the device.
     at::Tensor alpha = scale_ ? rms.clamp_min(eps2_).mul_(rho) : at::Tensor();
     if (scale_)

@@ -47,14 +47,7 @@ class Came final : public fusebox::Optimizer {
     }
     ++state.step;
     at::Tensor u = g.square().add_(eps1_);
-    if (factored) {
-      fusebox::factored_ema_(state["exp_avg_sq_row"], state["exp_avg_sq_col"], u, beta2_);
-      fusebox::factored_rsqrt_out(u, state["exp_avg_sq_row"], state["exp_avg_sq_col"]);
-    } else {
-      state["exp_avg_sq"].mul_(beta2_).add_(u, 1.0 - beta2_);
-      at::rsqrt_out(u, state["exp_avg_sq"]);
-    }
-    u.mul_(g).div_((fusebox::rms(u) / clip_).clamp_min_(1.0));
+    fusebox::second_moment_update_(u, g, state, factored, beta2_, clip_);
     at::Tensor& m = state["exp_avg"];
     m.mul_(beta1_).add_(u, 1.0 - beta1_);
     if (factored) {

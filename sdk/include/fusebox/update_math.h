@@ -85,6 +85,23 @@ inline void adam_step_(const at::Tensor& p, const at::Tensor& g, const at::Tenso
   p.addcdiv_(m, denom, -lr / bias_correction(b1, t));
 }
 
+/// Adafactor's preconditioned update (shared by Adafactor and CAME). On entry `u` holds
+/// g² + eps1; folds it into the second-moment statistics in `state` ("exp_avg_sq_row"/"_col" when
+/// `factored`, else "exp_avg_sq") with weight 1 - beta2, then leaves u = g / sqrt(v̂) scaled down
+/// so that rms(u) <= clip.
+inline void second_moment_update_(const at::Tensor& u, const at::Tensor& g, ParamState& state,
+                                  bool factored, double beta2, double clip) {
+  if (factored) {
+    factored_ema_(state["exp_avg_sq_row"], state["exp_avg_sq_col"], u, beta2);
+    factored_rsqrt_out(u, state["exp_avg_sq_row"], state["exp_avg_sq_col"]);
+  } else {
+    state["exp_avg_sq"].mul_(beta2).add_(u, 1.0 - beta2);
+    at::Tensor out = u;  // a handle to the same storage: rsqrt_out writes into u
+    at::rsqrt_out(out, state["exp_avg_sq"]);
+  }
+  u.mul_(g).div_((rms(u) / clip).clamp_min_(1.0));
+}
+
 /// True for fp16 and bf16, whose updates are computed in fp32 and copied back.
 inline bool is_low_precision(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
