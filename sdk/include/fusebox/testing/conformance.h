@@ -303,6 +303,21 @@ inline void check_schema_defaults(const Target& t) {
 
 namespace detail {
 
+/// Trains `model` for steps [0, k) with one instance in the normal loop and returns a deep copy
+/// of its state; the instance is gone afterwards, so only the state carries over.
+inline StateDict state_after(const LoadedPlugin& p, const HyperParams& hp, Model& model,
+                             int64_t k) {
+  std::shared_ptr<Optimizer> first = p.create(model.groups(), hp);
+  StepOptions o;
+  o.warn = [](const std::string&) {};
+  auto mode = make_normal_step(first, o);
+  for (int64_t s = 0; s < k; ++s) {
+    mode->backward(model.loss(s));
+    mode->step();
+  }
+  return deep_copy(first->state_dict());
+}
+
 /// Expects `key` = `bad` (on top of the target's arguments) to be refused naming the key.
 inline void expect_rejected(const LoadedPlugin& p, UserArgs args, const std::string& key,
                             const Value& bad, const std::string& why) {
@@ -452,18 +467,7 @@ inline void check_state_round_trip(const Target& t) {
   detail::train(*p, hp, whole, "normal", 0, 2 * k);
   detail::expect_moved(init, whole);
 
-  std::shared_ptr<Optimizer> first = p->create(resumed.groups(), hp);
-  {
-    StepOptions o;
-    o.warn = [](const std::string&) {};
-    auto mode = make_normal_step(first, o);
-    for (int64_t s = 0; s < k; ++s) {
-      mode->backward(resumed.loss(s));
-      mode->step();
-    }
-  }
-  const StateDict saved = detail::deep_copy(first->state_dict());
-  first.reset();
+  const StateDict saved = detail::state_after(*p, hp, resumed, k);
   for (const auto& kv : saved) {
     bool known = kv.first.rfind("@optimizer/", 0) == 0;
     for (const auto& n : init.names) known = known || kv.first.rfind(n + "/", 0) == 0;
@@ -484,18 +488,7 @@ inline void check_state_across_regroup(const Target& t) {
   const int64_t k = detail::kSteps;
   detail::Model init, whole = init.clone(), resumed = init.clone();
   detail::train(*p, hp, whole, "normal", 0, 2 * k);
-  std::shared_ptr<Optimizer> first = p->create(resumed.groups(), hp);
-  {
-    StepOptions o;
-    o.warn = [](const std::string&) {};
-    auto mode = make_normal_step(first, o);
-    for (int64_t s = 0; s < k; ++s) {
-      mode->backward(resumed.loss(s));
-      mode->step();
-    }
-  }
-  const StateDict saved = detail::deep_copy(first->state_dict());
-  first.reset();
+  const StateDict saved = detail::state_after(*p, hp, resumed, k);
   detail::train_groups(*p, hp, resumed, 3, SplitPolicy::Count, k, 2 * k, &saved);
   detail::expect_identical(whole, resumed, "one instance's state loaded into 3 optimizer groups");
 }
