@@ -26,6 +26,7 @@ class FusedBackward final : public detail::HookedStep {
     StepStats stats = finish_iteration();
     at::NoGradGuard no_grad;
     optimizers_[0]->finish_step();
+    sharding_.broadcast(params_);
     return stats;
   }
 
@@ -34,7 +35,7 @@ class FusedBackward final : public detail::HookedStep {
 
  protected:
   void on_gradient(size_t i) override {
-    optimizers_[0]->step_param(params_[i]);
+    if (sharding_.owns(i)) optimizers_[0]->step_param(params_[i]);
     params_[i].mutable_grad().reset();  // the point of it all: this gradient is gone now
   }
 

@@ -1,11 +1,14 @@
 // The hook machinery behind fused backward and optimizer groups.
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 #include "step_mode_common.h"
 
 namespace fusebox::detail {
 
-HookedStep::HookedStep(StepOptions options) : options_(std::move(options)) {}
+HookedStep::HookedStep(StepOptions options)
+    : options_(std::move(options)), reducer_(options_.comm, options_.bucket_bytes) {}
 
 void HookedStep::attach(const std::vector<at::Tensor>& params,
                         const std::vector<std::string>& names) {
@@ -13,6 +16,7 @@ void HookedStep::attach(const std::vector<at::Tensor>& params,
   names_ = names;
   fired_.assign(params.size(), false);
   warned_.assign(params.size(), false);
+  sharding_ = StateSharding(options_, params);
   for (size_t i = 0; i < params.size(); ++i)
     hooks_.push_back(std::make_unique<compat::GradReadyHook>(params[i], [this, i] { ready(i); }));
 }
@@ -32,17 +36,7 @@ void HookedStep::ready(size_t i) {
     fired_[i] = true;
     if (!param.grad().defined()) return;
     if (options_.track_grad_bytes) peak_bytes_ = std::max(peak_bytes_, live_grad_bytes(params_));
-    // One reduction serves the non-finite check, clipping and the statistics.
-    at::Tensor norm;
-    if (options_.check_finite || options_.max_grad_norm > 0 || options_.track_grad_norm)
-      norm = param.grad().norm();
-    if (options_.check_finite && !norm_says_finite(param, norm))
-      throw NonFiniteError("non-finite gradient in parameter '" + names_[i] +
-                           "' during the fused backward pass; it was not updated (parameters "
-                           "updated earlier in this pass hold finite values)");
-    if (options_.max_grad_norm > 0) clip_by_norm_(param, norm, options_.max_grad_norm);
-    if (norm.defined()) add_sq(sum_sq_, norm);
-    on_gradient(i);
+    arrived(i);
   } catch (...) {
     error_ = std::current_exception();
     param.mutable_grad().reset();
@@ -50,13 +44,82 @@ void HookedStep::ready(size_t i) {
   }
 }
 
+void HookedStep::arrived(size_t i) {
+  if (!reducer_.active()) return process(i);
+  reducer_.add(i, params_[i]);
+  drain(false);
+}
+
+void HookedStep::flush() { reducer_.launch(); }
+
+void HookedStep::drain(bool wait) {
+  for (size_t j : reducer_.completed(wait)) process(j);
+}
+
+void HookedStep::process(size_t i) {
+  const at::Tensor& param = params_[i];
+  if (!(options_.check_finite || options_.max_grad_norm > 0 || options_.track_grad_norm))
+    return on_gradient(i);
+  // One reduction serves the non-finite check, clipping and the statistics.
+  const at::Tensor norm = param.grad().norm();
+  if (param.grad().is_cpu()) {
+    // On the host a scalar read costs nothing: the rest is host arithmetic, no more tensor ops.
+    const double n = norm.item<double>();
+    if (options_.check_finite && !norm_says_finite(param, n))
+      throw NonFiniteError("non-finite gradient in parameter '" + names_[i] +
+                           "' during the fused backward pass; it was not updated (parameters "
+                           "updated earlier in this pass hold finite values)");
+    if (options_.max_grad_norm > 0) clip_by_norm_(param, n, options_.max_grad_norm);
+    host_sum_sq_ += n * n;
+  } else {
+    // On a GPU a scalar read stalls the stream: the check is kept on the device and read once,
+    // at the end of backward (deferred_check); clipping and the sum stay on the device too.
+    if (options_.check_finite)
+      device_finite_.push_back(param.grad().scalar_type() == at::kHalf
+                                   ? at::isfinite(param.grad()).all()
+                                   : at::isfinite(norm));
+    device_index_.push_back(i);
+    if (options_.max_grad_norm > 0) clip_by_norm_(param, norm, options_.max_grad_norm);
+    add_sq(sum_sq_, norm);
+  }
+  any_norm_ = true;
+  on_gradient(i);
+}
+
+void HookedStep::deferred_check() {
+  if (device_finite_.empty()) return;
+  const at::Tensor finite = at::stack(device_finite_);
+  const bool ok = finite.all().item<bool>();  // the one host sync of the iteration
+  if (ok) {
+    device_finite_.clear();
+    device_index_.clear();
+    return;
+  }
+  const at::Tensor flags = finite.cpu();
+  size_t bad = 0;
+  while (bad + 1 < device_finite_.size() && flags[static_cast<int64_t>(bad)].item<bool>()) ++bad;
+  const std::string name = names_[device_index_[bad]];
+  device_finite_.clear();
+  device_index_.clear();
+  throw NonFiniteError("non-finite gradient in parameter '" + name + "' (on " +
+                       params_[0].device().str() +
+                       " the check runs once, at the end of the backward pass: parameters "
+                       "updated in this pass may hold non-finite values; resume from the last "
+                       "checkpoint)");
+}
+
 void HookedStep::backward(const at::Tensor& loss) {
   error_ = nullptr;
   auto fail = [&]() {
     // The iteration is abandoned: free every gradient and forget what fired.
+    reducer_.abandon();
     for (auto& p : params_) p.mutable_grad().reset();
     fired_.assign(params_.size(), false);
     sum_sq_ = at::Tensor();
+    host_sum_sq_ = 0;
+    any_norm_ = false;
+    device_finite_.clear();
+    device_index_.clear();
     stepped_ = 0;
   };
   try {
@@ -66,6 +129,16 @@ void HookedStep::backward(const at::Tensor& loss) {
     error_ = nullptr;
     fail();
     std::rethrow_exception(original);  // the plugin's own exception, not autograd's wrapper
+  }
+  try {
+    if (reducer_.active()) {
+      flush();
+      drain(true);
+    }
+    deferred_check();
+  } catch (...) {
+    fail();
+    throw;
   }
 }
 
@@ -81,10 +154,16 @@ StepStats HookedStep::finish_iteration() {
                        "once)");
     }
   }
-  stats.grad_norm = finish_norm(sum_sq_);
+  if (any_norm_) {
+    double total = host_sum_sq_;
+    if (sum_sq_.defined()) total += sum_sq_.item<double>();
+    stats.grad_norm = std::sqrt(total);
+  }
   if (options_.track_grad_bytes) stats.peak_grad_bytes = peak_bytes_;
   fired_.assign(params_.size(), false);
   sum_sq_ = at::Tensor();
+  host_sum_sq_ = 0;
+  any_norm_ = false;
   peak_bytes_ = 0;
   return stats;
 }

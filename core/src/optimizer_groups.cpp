@@ -101,11 +101,17 @@ std::vector<std::vector<ParamGroup>> split_param_groups(const std::vector<ParamG
 
 namespace {
 
+// Data parallel: a group is averaged as one bucket, whatever its size.
+StepOptions one_bucket_per_group(StepOptions o) {
+  o.bucket_bytes = std::numeric_limits<int64_t>::max();
+  return o;
+}
+
 class OptimizerGroups final : public detail::HookedStep {
  public:
   OptimizerGroups(const std::vector<std::vector<ParamGroup>>& splits, const OptimizerFactory& make,
                   StepOptions options)
-      : HookedStep(std::move(options)) {
+      : HookedStep(one_bucket_per_group(std::move(options))) {
     std::vector<at::Tensor> params;
     std::vector<std::string> names;
     for (size_t k = 0; k < splits.size(); ++k) {
@@ -118,20 +124,20 @@ class OptimizerGroups final : public detail::HookedStep {
           names.push_back(g.names[i]);
           group_of_.push_back(k);
         }
+      starts_.push_back(params.size() - size);
       sizes_.push_back(size);
     }
-    arrived_.assign(splits.size(), 0);
-    done_.assign(splits.size(), false);
+    reset();
     attach(params, names);
   }
 
   StepStats step() override {
     // A group some of whose parameters got no gradient still steps with those that did.
     for (size_t k = 0; k < optimizers_.size(); ++k)
-      if (!done_[k] && arrived_[k] > 0) step_group(k);
+      if (!done_[k] && processed_[k] > 0) step_group(k);
+    sharding_.broadcast(params_);
     StepStats stats = finish_iteration();
-    arrived_.assign(optimizers_.size(), 0);
-    done_.assign(optimizers_.size(), false);
+    reset();
     return stats;
   }
 
@@ -139,8 +145,7 @@ class OptimizerGroups final : public detail::HookedStep {
     try {
       HookedStep::backward(loss);
     } catch (...) {
-      arrived_.assign(optimizers_.size(), 0);
-      done_.assign(optimizers_.size(), false);
+      reset();
       throw;
     }
   }
@@ -151,20 +156,45 @@ class OptimizerGroups final : public detail::HookedStep {
  protected:
   void on_gradient(size_t i) override {
     const size_t k = group_of_[i];
-    if (++arrived_[k] == sizes_[k]) step_group(k);
+    if (++processed_[k] == sizes_[k]) step_group(k);
+  }
+  void arrived(size_t i) override {
+    if (!reducer_.active()) return HookedStep::arrived(i);
+    const size_t k = group_of_[i];
+    if (++arrived_[k] == sizes_[k]) launch_group(k);
+    drain(false);
+  }
+  void flush() override {
+    // A group some of whose parameters got no gradient is averaged with those that did.
+    for (size_t k = 0; k < optimizers_.size(); ++k)
+      if (!launched_[k] && arrived_[k] > 0) launch_group(k);
   }
 
  private:
+  void reset() {
+    arrived_.assign(optimizers_.size(), 0);
+    processed_.assign(optimizers_.size(), 0);
+    launched_.assign(optimizers_.size(), false);
+    done_.assign(optimizers_.size(), false);
+  }
+  void launch_group(size_t k) {
+    for (size_t j = starts_[k]; j < starts_[k] + sizes_[k]; ++j)
+      if (fired(j) && params_[j].grad().defined()) reducer_.add(j, params_[j]);
+    reducer_.launch();
+    launched_[k] = true;
+  }
   void step_group(size_t k) {
     at::NoGradGuard no_grad;
+    sharding_.drop_foreign_grads(params_, starts_[k], starts_[k] + sizes_[k]);
     optimizers_[k]->step();
     optimizers_[k]->zero_grad(true);
     done_[k] = true;
   }
 
   std::vector<std::shared_ptr<Optimizer>> optimizers_;
-  std::vector<size_t> group_of_, sizes_, arrived_;
-  std::vector<bool> done_;
+  std::vector<size_t> group_of_, starts_, sizes_;
+  std::vector<size_t> arrived_, processed_;  // per group, this iteration
+  std::vector<bool> launched_, done_;
 };
 
 }  // namespace

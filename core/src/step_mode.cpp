@@ -32,14 +32,25 @@ bool grad_is_finite(const at::Tensor& param) {
 }
 
 bool norm_says_finite(const at::Tensor& param, const at::Tensor& norm) {
-  if (param.grad().scalar_type() == at::kHalf) return grad_is_finite(param);
-  return std::isfinite(norm.item<double>());
+  return norm_says_finite(param, norm.item<double>());
+}
+
+bool norm_says_finite(const at::Tensor& param, double norm) {
+  if (std::isfinite(norm)) return true;
+  // fp16: the sum of squares can overflow although every value is finite.
+  return param.grad().scalar_type() == at::kHalf && grad_is_finite(param);
 }
 
 void clip_by_norm_(const at::Tensor& param, const at::Tensor& norm, double max_norm) {
+  if (norm.is_cpu()) return clip_by_norm_(param, norm.item<double>(), max_norm);
   // torch.nn.utils.clip_grad_norm_'s rule: coef = max_norm / (norm + 1e-6), clamped to 1.
   at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max_(1.0);
   param.grad().mul_(coef);
+}
+
+void clip_by_norm_(const at::Tensor& param, double norm, double max_norm) {
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) param.grad().mul_(coef);
 }
 
 int64_t live_grad_bytes(const std::vector<at::Tensor>& params) {
@@ -47,10 +58,6 @@ int64_t live_grad_bytes(const std::vector<at::Tensor>& params) {
   for (const auto& p : params)
     if (p.grad().defined()) total += p.grad().numel() * p.grad().element_size();
   return total;
-}
-
-double finish_norm(const at::Tensor& sum_sq) {
-  return sum_sq.defined() ? std::sqrt(sum_sq.item<double>()) : -1.0;
 }
 
 void add_sq(at::Tensor& sum_sq, const at::Tensor& norm) {
@@ -72,12 +79,36 @@ std::vector<at::Tensor> norms_as_double(const std::vector<at::Tensor>& norms) {
 class NormalStep final : public StepMode {
  public:
   NormalStep(std::shared_ptr<Optimizer> optimizer, StepOptions options)
-      : options_(std::move(options)), optimizers_{std::move(optimizer)} {
+      : options_(std::move(options)),
+        optimizers_{std::move(optimizer)},
+        reducer_(options_.comm, options_.bucket_bytes) {
     for (size_t g = 0; g < optimizers_[0]->num_groups(); ++g)
       for (size_t i = 0; i < optimizers_[0]->group(g).params.size(); ++i) {
         params_.push_back(optimizers_[0]->group(g).params[i]);
         names_.push_back(optimizers_[0]->group(g).names[i]);
       }
+    // Data parallel: each gradient joins a bucket the moment it is accumulated, so averaging
+    // overlaps the rest of backward.
+    sharding_ = detail::StateSharding(options_, params_);
+    if (reducer_.active())
+      for (size_t i = 0; i < params_.size(); ++i)
+        hooks_.push_back(std::make_unique<compat::GradReadyHook>(
+            params_[i], [this, i] { reducer_.add(i, params_[i]); }));
+  }
+
+  void backward(const at::Tensor& loss) override {
+    if (!reducer_.active()) return loss.backward();
+    // With gradient accumulation every micro-batch is averaged: avg(avg(g1) + g2) equals
+    // avg(g1) + avg(g2) because avg(g1) is the same on every rank.
+    try {
+      loss.backward();
+      reducer_.launch();
+      reducer_.completed(/*wait=*/true);
+    } catch (...) {
+      reducer_.abandon();
+      for (auto& p : params_) p.mutable_grad().reset();
+      throw;
+    }
   }
 
   StepStats step() override {
@@ -96,8 +127,10 @@ class NormalStep final : public StepMode {
       if (want_norms) norms.push_back(params_[i].grad().norm());
     }
     if (norms.empty()) {
+      sharding_.drop_foreign_grads(params_, 0, params_.size());
       opt.step();
       opt.zero_grad(true);
+      sharding_.broadcast(params_);
       stats.params_stepped = static_cast<int64_t>(with_grad.size());
       return stats;
     }
@@ -132,8 +165,10 @@ class NormalStep final : public StepMode {
     }
     stats.grad_norm = total.item<double>();
     stats.params_stepped = static_cast<int64_t>(with_grad.size());
+    sharding_.drop_foreign_grads(params_, 0, params_.size());
     opt.step();
     opt.zero_grad(true);
+    sharding_.broadcast(params_);
     return stats;
   }
 
@@ -145,6 +180,9 @@ class NormalStep final : public StepMode {
   std::vector<std::shared_ptr<Optimizer>> optimizers_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
+  detail::GradReducer reducer_;
+  detail::StateSharding sharding_;
+  std::vector<std::unique_ptr<compat::GradReadyHook>> hooks_;
 };
 
 }  // namespace

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "fusebox/core/step_mode.h"
+#include "grad_reducer.h"
+#include "state_sharding.h"
 #include "torch_compat.h"
 
 namespace fusebox::detail {
@@ -21,16 +23,24 @@ bool grad_is_finite(const at::Tensor& param);
 /// every value is, unless the sum of squares overflows, which only fp16 can do for sane
 /// gradients (so fp16 is checked value by value). One host sync.
 bool norm_says_finite(const at::Tensor& param, const at::Tensor& norm);
+/// The same from a norm already read to the host.
+bool norm_says_finite(const at::Tensor& param, double norm);
 /// Scales `param.grad()` so its norm (given) is at most `max_norm` (clip_grad_norm_'s rule).
+/// Host tensors read the norm and scale by a host scalar (no extra tensor ops); device tensors
+/// stay on the device. Every mode clips through here, so they agree bit for bit.
 void clip_by_norm_(const at::Tensor& param, const at::Tensor& norm, double max_norm);
+/// The same with the norm already on the host.
+void clip_by_norm_(const at::Tensor& param, double norm, double max_norm);
 /// Bytes of all defined gradients of `params`.
 int64_t live_grad_bytes(const std::vector<at::Tensor>& params);
-/// sqrt of an accumulated sum of squares, or -1 when nothing was accumulated.
-double finish_norm(const at::Tensor& sum_sq);
 /// sum_sq += norm^2 (in double, on the norm's device).
 void add_sq(at::Tensor& sum_sq, const at::Tensor& norm);
 
 /// A mode that reacts to each gradient as soon as it is accumulated (fused and groups).
+///
+/// Single process: hook(i) -> arrived(i) -> process(i): checks, clipping, on_gradient(i).
+/// Data parallel: arrived(i) queues the gradient for averaging; process(i) runs for each
+/// gradient whose average has come back, from later hooks or at the end of backward.
 class HookedStep : public StepMode {
  public:
   void backward(const at::Tensor& loss) override;
@@ -41,22 +51,39 @@ class HookedStep : public StepMode {
   void attach(const std::vector<at::Tensor>& params, const std::vector<std::string>& names);
   /// Called from the hook once `i`'s gradient is accumulated, checked and clipped.
   virtual void on_gradient(size_t i) = 0;
+  /// A gradient has been accumulated: averages it across ranks (buckets) or processes it now.
+  virtual void arrived(size_t i);
+  /// The end of backward, data parallel: launches what is still queued.
+  virtual void flush();
+  /// Checks, clips and counts gradient `i` (now final), then calls on_gradient(i).
+  void process(size_t i);
+  /// Processes every gradient whose average has finished (all launched ones with `wait`).
+  void drain(bool wait);
   /// End-of-iteration bookkeeping: warns (once each) about parameters that got no gradient,
   /// resets the per-iteration flags and returns the statistics gathered by the hooks.
   StepStats finish_iteration();
+  /// Device gradients: reads the finiteness flags gathered during backward (one host sync) and
+  /// throws NonFiniteError naming the first non-finite gradient.
+  void deferred_check();
   /// True if parameter `i` received its gradient in this iteration.
   bool fired(size_t i) const { return fired_[i]; }
 
   StepOptions options_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
+  GradReducer reducer_;
+  StateSharding sharding_;  // set by attach()
 
  private:
   void ready(size_t i);
   std::vector<std::unique_ptr<compat::GradReadyHook>> hooks_;
   std::vector<bool> fired_, warned_;
   std::exception_ptr error_;
-  at::Tensor sum_sq_;
+  at::Tensor sum_sq_;       // device gradients: sum of squared norms, kept on the device
+  double host_sum_sq_ = 0;  // host gradients: the same sum, on the host
+  bool any_norm_ = false;
+  std::vector<at::Tensor> device_finite_;  // device gradients: 0-d "is finite" flags
+  std::vector<size_t> device_index_;       // ... and whose they are
   int64_t stepped_ = 0, peak_bytes_ = 0;
 };
 

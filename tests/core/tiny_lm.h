@@ -50,9 +50,12 @@ struct TinyLm {
 
   /// Cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (batch `step` of a fixed
   /// pseudo-random stream).
-  at::Tensor loss(int64_t step) const {
+  at::Tensor loss(int64_t step) const { return loss(step, 0, B); }
+
+  /// The same loss over rows [first, first + rows) of the batch (one data-parallel shard).
+  at::Tensor loss(int64_t step, int64_t first, int64_t rows) const {
     at::Tensor tokens = at::arange(B * (T + 1), at::kLong).reshape({B, T + 1});
-    tokens = (tokens * (7 + step) + 3 * step) % V;
+    tokens = ((tokens * (7 + step) + 3 * step) % V).narrow(0, first, rows);
     at::Tensor in = tokens.narrow(1, 0, T), target = tokens.narrow(1, 1, T);
     const at::Tensor& E = params[0];
     at::Tensor x = at::embedding(E, in);
@@ -61,7 +64,7 @@ struct TinyLm {
     at::Tensor y = at::matmul(h, params[5]) + params[6] + x;
     y = at::layer_norm(y, {D}, params[7], params[8]);
     at::Tensor logits = at::matmul(y, E.t());  // tied output head
-    return at::cross_entropy_loss(logits.reshape({B * T, V}), target.reshape({B * T}));
+    return at::cross_entropy_loss(logits.reshape({rows * T, V}), target.reshape({rows * T}));
   }
 };
 

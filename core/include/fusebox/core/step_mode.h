@@ -27,6 +27,8 @@
 
 namespace fusebox {
 
+class Communicator;
+
 /// What to do when a gradient is NaN or infinite.
 enum class NonFinitePolicy {
   Stop,  ///< throw NonFiniteError before any parameter takes a non-finite value
@@ -43,6 +45,17 @@ struct StepOptions {
   bool track_grad_bytes = false;  ///< record peak live gradient bytes (costly: for tests)
   /// Receives warnings (e.g. a parameter that got no gradient); default prints to stderr.
   std::function<void(const std::string&)> warn;
+  /// Data parallel (fusebox/core/distributed.h): gradients are averaged over the ranks as soon as
+  /// they are accumulated, overlapping the rest of backward, and before any check or step.
+  /// Every rank must run the same model and mode. Null or world size 1: single process.
+  std::shared_ptr<Communicator> comm;
+  /// Normal and fused modes: gradients are averaged in buckets of about this many bytes
+  /// (groups average each group as one bucket).
+  int64_t bucket_bytes = int64_t{25} << 20;
+  /// Data parallel only, ZeRO stage 1: each rank steps, and keeps optimizer state for, only its
+  /// share of the parameters (parameter_owners), then sends them to the other ranks. Results are
+  /// the same as unsharded. Not for auto-LR optimizers (their step size needs every parameter).
+  bool shard_optimizer_state = false;
 };
 
 /// Thrown when a gradient is not finite and the policy is Stop.
@@ -99,6 +112,10 @@ using OptimizerFactory = std::function<std::shared_ptr<Optimizer>(std::vector<Pa
 std::unique_ptr<StepMode> make_optimizer_groups(const std::vector<ParamGroup>& groups, int64_t n,
                                                 SplitPolicy policy, const OptimizerFactory& make,
                                                 StepOptions options = {});
+
+/// ZeRO stage 1: the rank owning each parameter of `groups` (in order) when `world` ranks share
+/// the optimizer state: contiguous runs balanced by bytes.
+std::vector<int> parameter_owners(const std::vector<ParamGroup>& groups, int world);
 
 /// Clips one tensor's gradient to `max_norm` (torch's clip_grad_norm_ rule applied to one tensor);
 /// returns the norm before clipping as a 0-d tensor on the gradient's device (no host sync).

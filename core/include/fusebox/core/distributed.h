@@ -1,0 +1,82 @@
+// Data-parallel training on PyTorch's distributed engine (c10d): Gloo process groups on CPU,
+// rendezvous through a TCPStore, set up the torchrun way (RANK, WORLD_SIZE, LOCAL_RANK,
+// MASTER_ADDR, MASTER_PORT).
+//
+//   fusebox::DistributedConfig dc = fusebox::distributed_config_from_env();
+//   auto comm = fusebox::connect(dc);            // blocks until every rank has joined
+//   fusebox::StepOptions so;
+//   so.comm = comm;                              // gradients are averaged before any step
+//   auto mode = fusebox::make_fused_backward(optimizer, so);
+//
+// Every collective call takes the configured timeout: a rank that dies makes the others fail with
+// a DistributedError at the next collective, a rank that hangs makes them fail after `timeout`.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fusebox/error.h"
+
+namespace at {
+class Tensor;
+}
+
+namespace fusebox {
+
+/// Where this process sits in the job and how to reach the others.
+struct DistributedConfig {
+  int rank = 0;                           ///< this process's rank, 0 .. world_size-1
+  int world_size = 1;                     ///< number of processes; 1 means no distribution at all
+  int local_rank = 0;                     ///< rank on this machine (selects the GPU on CUDA)
+  std::string master_addr = "127.0.0.1";  ///< rank 0's address (the TCPStore runs there)
+  int master_port = 29500;                ///< rank 0's TCPStore port
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};  ///< rendezvous and collectives
+};
+
+/// Reads torchrun's environment variables; world_size 1 when WORLD_SIZE is unset. Throws Error
+/// naming the variable when one is malformed or inconsistent (e.g. RANK >= WORLD_SIZE).
+DistributedConfig distributed_config_from_env();
+
+/// A failed or timed-out collective, or a failed rendezvous.
+class FUSEBOX_VISIBLE DistributedError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// The collectives fusebox needs, over one process group.
+class FUSEBOX_VISIBLE Communicator {
+ public:
+  /// An operation in flight. Tensors handed to it must stay untouched until wait() returns.
+  class Pending {
+   public:
+    virtual ~Pending();
+    /// True once the operation has finished (never blocks).
+    virtual bool done() = 0;
+    /// Blocks until finished (at most the timeout); throws DistributedError on failure.
+    virtual void wait() = 0;
+  };
+
+  virtual ~Communicator();
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  /// Starts replacing every tensor with its mean over the ranks (one flat buffer for all).
+  virtual std::unique_ptr<Pending> average(std::vector<at::Tensor> tensors) = 0;
+  /// Starts copying `tensors` from rank `root` into the same tensors on every other rank.
+  virtual std::unique_ptr<Pending> broadcast(std::vector<at::Tensor> tensors, int root) = 0;
+  /// Starts a sum over the ranks of a small double vector, in place.
+  virtual std::unique_ptr<Pending> sum(at::Tensor values) = 0;
+  /// Blocks until every rank has arrived.
+  virtual void barrier() = 0;
+};
+
+/// True when this build of fusebox has c10d (Gloo) support.
+bool distributed_available();
+
+/// Joins the process group described by `config` (Gloo; blocks until all ranks have joined or the
+/// timeout passes). Throws DistributedError naming MASTER_ADDR/MASTER_PORT when that fails.
+std::shared_ptr<Communicator> connect(const DistributedConfig& config);
+
+}  // namespace fusebox

@@ -1,0 +1,267 @@
+// Data-parallel runs on 127.0.0.1: several dist_worker processes, each bounded in time.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fusebox/core/distributed.h"
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// A port nobody listens on right now (the kernel's choice for an ephemeral bind).
+int free_port() {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(s);
+  return ntohs(a.sin_port);
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class Dir {
+ public:
+  Dir()
+      : path_(fs::temp_directory_path() /
+              ("fusebox-dist-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++))) {
+    fs::create_directories(path_);
+  }
+  ~Dir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string file(const std::string& n) const { return (path_ / n).string(); }
+
+ private:
+  static int& counter() {
+    static int c = 0;
+    return c;
+  }
+  fs::path path_;
+};
+
+struct Proc {
+  pid_t pid = -1;
+  std::string log;
+};
+
+// Starts dist_worker with `args`, the given extra environment, output to `log`.
+Proc start(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
+           const std::string& log) {
+  std::vector<std::string> argv_s{std::string(FUSEBOX_BIN_DIR) + "/dist_worker"};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e; ++e) {
+    const std::string kv(*e);
+    const std::string k = kv.substr(0, kv.find('='));
+    if (!env.count(k) && k != "RANK" && k != "WORLD_SIZE" && k != "LOCAL_RANK" &&
+        k != "MASTER_ADDR" && k != "MASTER_PORT")
+      env_s.push_back(kv);
+  }
+  for (auto& [k, v] : env) env_s.push_back(k + "=" + v);
+  env_s.push_back("OMP_NUM_THREADS=1");
+  std::vector<char*> envp;
+  for (auto& e : env_s) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  Proc p;
+  p.log = log;
+  if (posix_spawn(&p.pid, argv[0], &fa, nullptr, argv.data(), envp.data()) != 0) p.pid = -1;
+  posix_spawn_file_actions_destroy(&fa);
+  return p;
+}
+
+// Exit code of `p`, or -1 if it had to be killed at the deadline (or died from a signal).
+int finish(const Proc& p, double seconds) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  int status = 0;
+  while (::waitpid(p.pid, &status, WNOHANG) == 0) {
+    if (Clock::now() > deadline) {
+      ::kill(p.pid, SIGKILL);
+      ::waitpid(p.pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::map<std::string, std::string> rank_env(int rank, int world, int port) {
+  return {{"RANK", std::to_string(rank)},
+          {"LOCAL_RANK", std::to_string(rank)},
+          {"WORLD_SIZE", std::to_string(world)},
+          {"MASTER_ADDR", "127.0.0.1"},
+          {"MASTER_PORT", std::to_string(port)}};
+}
+
+std::vector<double> read_params(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<double> v;
+  double x;
+  while (in.read(reinterpret_cast<char*>(&x), sizeof(x))) v.push_back(x);
+  return v;
+}
+
+// Runs `world` ranks with `args`; returns rank 0's parameters (checking every rank agrees).
+std::vector<double> run_world(int world, std::vector<std::string> args) {
+  Dir d;
+  const int port = free_port();
+  std::vector<Proc> procs;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> a = args;
+    a.insert(a.end(), {"--out", d.file("params" + std::to_string(r))});
+    procs.push_back(
+        start(a, world > 1 ? rank_env(r, world, port) : std::map<std::string, std::string>{},
+              d.file("log" + std::to_string(r))));
+  }
+  for (int r = 0; r < world; ++r) {
+    const int code = finish(procs[r], 90);
+    EXPECT_EQ(code, 0) << "rank " << r << ": " << read_text(procs[r].log);
+  }
+  std::vector<double> p0 = read_params(d.file("params0"));
+  for (int r = 1; r < world; ++r)
+    EXPECT_EQ(read_params(d.file("params" + std::to_string(r))), p0)
+        << "rank " << r << " ended with other weights than rank 0";
+  return p0;
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+const std::vector<std::vector<std::string>> kModes{
+    {"--mode", "normal"},
+    {"--mode", "fused", "--bucket-bytes", "200"},  // several buckets in flight
+    {"--mode", "groups", "--groups", "3"}};
+
+TEST(Distributed, TwoRanksMatchOneProcessInEveryModeAndModesAgreeBitForBit) {
+  for (const std::string plugin : {"adamw.so", "sgd.so", "adafactor_fused.so"}) {
+    const std::vector<std::string> base{"--plugin", plugin, "--steps", "4"};
+    std::vector<std::string> single = base;
+    single.insert(single.end(), {"--mode", "normal"});
+    const std::vector<double> one = run_world(1, single);
+    ASSERT_FALSE(one.empty());
+    std::vector<double> first;
+    for (const auto& m : kModes) {
+      std::vector<std::string> a = base;
+      a.insert(a.end(), m.begin(), m.end());
+      const std::vector<double> two = run_world(2, a);
+      ASSERT_EQ(two.size(), one.size()) << plugin << " " << m[1];
+      // Averaging two half-batch means instead of one full-batch mean only reorders float64
+      // additions: the weights agree to rounding.
+      EXPECT_LT(max_abs_diff(two, one), 1e-12) << plugin << " " << m[1];
+      EXPECT_NE(two, run_world(1, base)) << "sanity: training must change the weights";
+      // Summing two values is exact-commutative, so every mode sees the same averaged gradients.
+      if (first.empty())
+        first = two;
+      else
+        EXPECT_EQ(two, first) << plugin << ": " << m[1] << " differs from normal mode";
+    }
+  }
+}
+
+TEST(Distributed, ShardedOptimizerStateGivesTheSameWeightsAsUnsharded) {
+  for (const auto& m : kModes) {
+    std::vector<std::string> a{"--plugin", "adamw.so", "--steps", "3"};
+    a.insert(a.end(), m.begin(), m.end());
+    const std::vector<double> plain = run_world(2, a);
+    a.push_back("--shard");
+    EXPECT_EQ(run_world(2, a), plain) << m[1];
+  }
+}
+
+TEST(Distributed, ARankThatDiesMakesTheOthersFailWithAClearError) {
+  Dir d;
+  const int port = free_port();
+  const std::vector<std::string> a{"--mode",         "fused", "--steps",      "50",
+                                   "--exit-at-step", "2",     "--timeout-ms", "60000"};
+  Proc p0 = start(a, rank_env(0, 2, port), d.file("log0"));
+  Proc p1 = start(a, rank_env(1, 2, port), d.file("log1"));
+  const auto t0 = Clock::now();
+  EXPECT_EQ(finish(p1, 60), 9);
+  EXPECT_EQ(finish(p0, 60), 1) << read_text(p0.log);
+  // A dead peer is noticed at once (closed connection), long before the 60 s timeout.
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 30);
+  EXPECT_NE(read_text(p0.log).find("distributed all-reduce on rank 0 of 2 failed"),
+            std::string::npos)
+      << read_text(p0.log);
+}
+
+TEST(Distributed, ARankThatHangsMakesTheOthersFailAfterTheTimeout) {
+  Dir d;
+  const int port = free_port();
+  const std::vector<std::string> a{"--mode",         "normal", "--steps",      "50",
+                                   "--hang-at-step", "2",      "--timeout-ms", "3000"};
+  Proc p0 = start(a, rank_env(0, 2, port), d.file("log0"));
+  Proc p1 = start(a, rank_env(1, 2, port), d.file("log1"));
+  const auto t0 = Clock::now();
+  EXPECT_EQ(finish(p0, 60), 1) << read_text(p0.log);
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  ::kill(p1.pid, SIGKILL);
+  finish(p1, 10);
+  EXPECT_GE(took, 2.5);
+  EXPECT_LT(took, 30);
+  EXPECT_NE(read_text(p0.log).find("timeout 3 s"), std::string::npos) << read_text(p0.log);
+}
+
+TEST(Distributed, AMissingRankZeroIsAClearRendezvousError) {
+  Dir d;
+  Proc p1 = start({"--timeout-ms", "2000"}, rank_env(1, 2, free_port()), d.file("log1"));
+  EXPECT_EQ(finish(p1, 60), 1);
+  const std::string log = read_text(p1.log);
+  EXPECT_NE(log.find("could not join the rendezvous at MASTER_ADDR=127.0.0.1"), std::string::npos)
+      << log;
+  EXPECT_EQ(std::count(log.begin(), log.end(), '\n'), 1) << log;
+}
+
+TEST(Distributed, MalformedLaunchEnvironmentNamesTheVariable) {
+  Dir d;
+  Proc p = start({}, {{"RANK", "one"}, {"WORLD_SIZE", "2"}}, d.file("log"));
+  EXPECT_EQ(finish(p, 60), 1);
+  EXPECT_NE(read_text(p.log).find("RANK='one' is not an integer"), std::string::npos)
+      << read_text(p.log);
+  Proc q = start({}, {{"RANK", "2"}, {"WORLD_SIZE", "2"}}, d.file("log2"));
+  EXPECT_EQ(finish(q, 60), 1);
+  EXPECT_NE(read_text(q.log).find("RANK=2 is out of range [0, 1]"), std::string::npos)
+      << read_text(q.log);
+}
+
+}  // namespace
