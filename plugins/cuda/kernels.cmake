@@ -1,0 +1,52 @@
+# CUDA kernels of the Adam/AdamW and Adafactor plugins (update_kernels.cu); included by
+# plugins/CMakeLists.txt, so CUDA is enabled in the directory of the plugins that link them.
+#
+# The kernels use only the CUDA toolkit (pointers, sizes, scalars, a stream), so they are compiled
+# whenever nvcc works, even against a CPU-only LibTorch: that proves they build. The plugins link
+# them and dispatch to them only when LibTorch has CUDA too (FUSEBOX_HAVE_CUDA).
+#
+# fusebox_cuda_math (header only, always defined): the per-element math shared with the CPU tests.
+add_library(fusebox_cuda_math INTERFACE)
+target_include_directories(fusebox_cuda_math INTERFACE ${CMAKE_CURRENT_LIST_DIR})
+
+set(FUSEBOX_CUDA_KERNELS OFF)
+if(FUSEBOX_CUDA STREQUAL "OFF")
+  return()
+endif()
+include(CheckLanguage)
+check_language(CUDA)
+if(NOT CMAKE_CUDA_COMPILER)
+  if(FUSEBOX_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "FUSEBOX_CUDA=ON but no working CUDA compiler was found (set CUDACXX or "
+      "CMAKE_CUDA_COMPILER; with a host compiler nvcc does not support, set "
+      "CMAKE_CUDA_HOST_COMPILER or CMAKE_CUDA_FLAGS=-allow-unsupported-compiler)")
+  endif()
+  message(STATUS "fusebox: no working CUDA compiler; CUDA kernels not built")
+  return()
+endif()
+# Ampere and Hopper by default (CUDA 13 supports sm_75 and newer); override with
+# -DCMAKE_CUDA_ARCHITECTURES=... (e.g. native on the GPU machine).
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES 80 90)
+endif()
+if(CCACHE_PROGRAM AND NOT CMAKE_CUDA_COMPILER_LAUNCHER)
+  set(CMAKE_CUDA_COMPILER_LAUNCHER ${CCACHE_PROGRAM})
+endif()
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+message(STATUS "fusebox: CUDA kernels with nvcc ${CMAKE_CUDA_COMPILER_VERSION}, "
+  "architectures ${CMAKE_CUDA_ARCHITECTURES}")
+
+add_library(fusebox_cuda_kernels STATIC ${CMAKE_CURRENT_LIST_DIR}/update_kernels.cu)
+target_link_libraries(fusebox_cuda_kernels PUBLIC fusebox_cuda_math CUDA::cudart)
+set_target_properties(fusebox_cuda_kernels PROPERTIES
+  POSITION_INDEPENDENT_CODE ON
+  CUDA_STANDARD 17
+  CUDA_STANDARD_REQUIRED ON
+  # LibTorch links the shared CUDA runtime; one runtime per process.
+  CUDA_RUNTIME_LIBRARY Shared
+  CXX_VISIBILITY_PRESET hidden
+  CUDA_VISIBILITY_PRESET hidden)
+target_compile_options(fusebox_cuda_kernels PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra --Werror=all-warnings>)
+set(FUSEBOX_CUDA_KERNELS ON)
