@@ -1,7 +1,10 @@
 // Adafactor (Shazeer & Stern 2018) with Hugging Face transformers' semantics: relative step,
 // parameter scaling, factored second moment over the last two dims, update clipping, optional
-// first moment and decoupled weight decay.
+// first moment and decoupled weight decay. Factored CUDA parameters go through the CUDA kernels
+// when the build has CUDA LibTorch (plugins/cuda/cuda_dispatch.h); everything else through ATen.
 #include <fusebox/sdk.h>
+
+#include "../cuda/cuda_dispatch.h"
 
 namespace {
 
@@ -64,6 +67,11 @@ class Adafactor final : public fusebox::Optimizer {
 
  protected:
   void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t group) override {
+    const int64_t next = state.step + 1;
+    if (fusebox_plugins::cuda::adafactor_factored_step(
+            param, state, eps1_, eps2_, clip_, beta2_at(next), relative_step_size(next, group),
+            beta1_, weight_decay_, scale_, stochastic_))
+      return;
     at::Tensor p = fusebox::fp32_view(param);
     at::Tensor g = param.grad().to(p.scalar_type());
     const bool factored = p.dim() >= 2;
@@ -77,7 +85,7 @@ class Adafactor final : public fusebox::Optimizer {
     const int64_t t = ++state.step;
     at::Tensor rms = state["RMS"] = fusebox::rms(p);
     const double rho = relative_step_size(t, group);
-    const double beta2t = 1.0 - std::pow(static_cast<double>(t), decay_rate_);
+    const double beta2t = beta2_at(t);
 
     at::Tensor u = g.square().add_(eps1_);
     fusebox::second_moment_update_(u, g, state, factored, beta2t, clip_);
@@ -99,6 +107,8 @@ class Adafactor final : public fusebox::Optimizer {
   }
 
  private:
+  double beta2_at(int64_t t) const { return 1.0 - std::pow(static_cast<double>(t), decay_rate_); }
+
   double relative_step_size(int64_t t, size_t g) const {
     if (!relative_) return lr(g);
     const double td = static_cast<double>(t);

@@ -1,8 +1,12 @@
 // Adam and AdamW share everything but where weight decay enters (torch.optim semantics):
 // Adam adds wd·θ to the gradient (L2), AdamW shrinks θ by (1 - lr·wd) before the moments.
+// CUDA parameters go through one fused kernel when the build has CUDA LibTorch
+// (plugins/cuda/cuda_dispatch.h); everything else through the ATen ops below.
 #pragma once
 
 #include <fusebox/sdk.h>
+
+#include "../cuda/cuda_dispatch.h"
 
 namespace fusebox_plugins {
 
@@ -35,6 +39,9 @@ class AdamFamily final : public fusebox::Optimizer {
 
  protected:
   void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t group) override {
+    if (cuda::adam_step(param, state, this->lr(group), beta1_, beta2_, eps_, weight_decay_,
+                        Decoupled, amsgrad_, stochastic_))
+      return;
     at::Tensor p = fusebox::fp32_view(param);
     at::Tensor g = param.grad().to(p.scalar_type());
     if (state.step == 0) {
