@@ -42,9 +42,9 @@ void count_free(void* ptr) {
   c10::free_cpu(ptr);
 }
 
-class CountingAllocator final : public c10::Allocator {
+class CountingAllocator final : public compat::AllocatorBase {
  public:
-  c10::DataPtr allocate(size_t nbytes) const override {
+  c10::DataPtr allocate_bytes(size_t nbytes) const override {
     void* ptr = c10::alloc_cpu(nbytes);
     Counters& c = counters();
     {
@@ -90,9 +90,12 @@ int64_t peak_bytes() {
 }
 
 void reset_peak() {
-  std::lock_guard<std::mutex> lock(counters().mu);
-  counters().peak = counters().current;
-  counters().phases.clear();
+  {
+    std::lock_guard<std::mutex> lock(counters().mu);
+    counters().peak = counters().current;
+    counters().phases.clear();
+  }
+  compat::reset_cuda_peak();
 }
 
 void mark_phase(const std::string& phase) {

@@ -21,7 +21,8 @@ bool cpu_tracking_installed();
 int64_t current_bytes();
 /// Highest current_bytes() since the last reset_peak().
 int64_t peak_bytes();
-/// Starts a new peak window at the current level (also clears phase peaks).
+/// Starts a new peak window at the current level (also clears phase peaks), for the counted CPU
+/// tensors and for the CUDA caching allocator's peaks in cuda_stats().
 void reset_peak();
 
 /// Marks the start of a phase ("forward", "backward", "step", ...); peaks are kept per phase.
