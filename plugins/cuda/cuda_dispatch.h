@@ -86,7 +86,7 @@ inline bool adam_step(const at::Tensor& param, fusebox::ParamState& state, doubl
   detail::check(adam_step(type, param.data_ptr(), grad.data_ptr(),
                           state["exp_avg"].data_ptr<float>(), state["exp_avg_sq"].data_ptr<float>(),
                           amsgrad ? state["max_exp_avg_sq"].data_ptr<float>() : nullptr, n, s,
-                          c10::cuda::getCurrentCUDAStream(param.get_device()).stream()),
+                          c10::cuda::getCurrentCUDAStream(param.device().index()).stream()),
                 "adam kernel");
   return true;
 }
@@ -134,7 +134,7 @@ inline bool adafactor_factored_step(const at::Tensor& param, fusebox::ParamState
           state["exp_avg_sq_col"].data_ptr<float>(),
           beta1 >= 0 ? state["exp_avg"].data_ptr<float>() : nullptr,
           scale ? alpha.data_ptr<float>() : nullptr, B, R, C, s, workspace.data_ptr<float>(),
-          c10::cuda::getCurrentCUDAStream(param.get_device()).stream()),
+          c10::cuda::getCurrentCUDAStream(param.device().index()).stream()),
       "adafactor kernel");
   return true;
 }

@@ -47,6 +47,8 @@ set_target_properties(fusebox_cuda_kernels PROPERTIES
   CUDA_RUNTIME_LIBRARY Shared
   CXX_VISIBILITY_PRESET hidden
   CUDA_VISIBILITY_PRESET hidden)
+# Directory-wide options (FUSEBOX_SANITIZE's -fsanitize=...) are host-compiler flags nvcc rejects.
+set_property(TARGET fusebox_cuda_kernels PROPERTY COMPILE_OPTIONS "")
 target_compile_options(fusebox_cuda_kernels PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra --Werror=all-warnings>)
 set(FUSEBOX_CUDA_KERNELS ON)
