@@ -1,6 +1,7 @@
 // A tiny language model written with plain ATen ops, for exactness tests of the step modes:
 // a tied embedding / output head, linear layers with biases, layer norms, a residual path and
-// (optionally) a parameter that never receives a gradient.
+// (optionally) a parameter that never receives a gradient. Lives on the test device
+// (FUSEBOX_TEST_DEVICE, default cpu).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_device.h"
 #include "fusebox/optimizer.h"
 
 namespace fusebox::testing {
@@ -21,7 +23,7 @@ struct TinyLm {
 
   explicit TinyLm(at::ScalarType dtype = at::kDouble, bool with_unused = false, uint64_t seed = 0) {
     at::manual_seed(seed);
-    auto o = at::TensorOptions().dtype(dtype);
+    auto o = at::TensorOptions().dtype(dtype).device(test_device());
     params = {at::randn({V, D}, o) * 0.5,  at::randn({D, H}, o) * 0.3,  at::randn({H}, o) * 0.1,
               1 + at::randn({H}, o) * 0.1, at::randn({H}, o) * 0.1,     at::randn({H, D}, o) * 0.3,
               at::randn({D}, o) * 0.1,     1 + at::randn({D}, o) * 0.1, at::randn({D}, o) * 0.1};
@@ -54,7 +56,8 @@ struct TinyLm {
 
   /// The same loss over rows [first, first + rows) of the batch (one data-parallel shard).
   at::Tensor loss(int64_t step, int64_t first, int64_t rows) const {
-    at::Tensor tokens = at::arange(B * (T + 1), at::kLong).reshape({B, T + 1});
+    at::Tensor tokens =
+        at::arange(B * (T + 1), params[0].options().dtype(at::kLong)).reshape({B, T + 1});
     tokens = ((tokens * (7 + step) + 3 * step) % V).narrow(0, first, rows);
     at::Tensor in = tokens.narrow(1, 0, T), target = tokens.narrow(1, 1, T);
     const at::Tensor& E = params[0];

@@ -1,7 +1,9 @@
 // The CUDA kernels' per-element math (plugins/cuda/update_kernels_math.h), run on the CPU over
 // random data, against what the Adam/AdamW and Adafactor plugins' ATen path computes: fp32 to 1e-6
 // relative. The host drivers below follow the kernels stage by stage (update_kernels.cu), so a
-// change to either side that alters the result shows here without a GPU.
+// change to either side that alters the result shows here without a GPU; with
+// FUSEBOX_TEST_DEVICE=cuda on a CUDA build the plugins take the kernel path and the same
+// comparison checks the kernels themselves.
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
@@ -15,7 +17,7 @@ namespace {
 namespace fk = fusebox_plugins::cuda;
 
 std::vector<float> values(const at::Tensor& t) {
-  at::Tensor c = t.detach().to(at::kFloat).contiguous().reshape(-1);
+  at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous().reshape(-1);
   return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
 }
 

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "../test_device.h"
 #include "fusebox/core/plugin_registry.h"
 
 namespace fbt {
@@ -56,17 +57,20 @@ inline std::shared_ptr<fusebox::Optimizer> make(const std::string& file,
   return p->create({g}, p->validate(user_args(args)));
 }
 
-/// Leaf tensors with requires_grad, deep copies of `src`.
+/// The device plugin tests run on (FUSEBOX_TEST_DEVICE, default cpu).
+inline at::Device device() { return fusebox::testing::test_device(); }
+
+/// Leaf tensors with requires_grad, deep copies of `src` on the test device.
 inline std::vector<at::Tensor> leaf_copies(const std::vector<at::Tensor>& src) {
   std::vector<at::Tensor> out;
-  for (const auto& t : src) out.push_back(t.detach().clone().requires_grad_(true));
+  for (const auto& t : src) out.push_back(t.detach().to(device()).clone().requires_grad_(true));
   return out;
 }
 
-/// Sets each parameter's gradient to a copy of `grads[i]` in the parameter's dtype.
+/// Sets each parameter's gradient to a copy of `grads[i]` in the parameter's dtype and device.
 inline void set_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
   for (size_t i = 0; i < params.size(); ++i)
-    params[i].mutable_grad() = grads[i].to(params[i].scalar_type()).clone();
+    params[i].mutable_grad() = grads[i].to(params[i].options()).clone();
 }
 
 /// Every per-parameter plugin file with the arguments that exercise most of its code.
@@ -225,7 +229,7 @@ inline RefFile read_reference(const std::string& name) {
 /// True when every element of `actual` is within `rel` relative error of `expected`.
 inline ::testing::AssertionResult close(const at::Tensor& actual, const NumberList& expected,
                                         double rel) {
-  at::Tensor a = actual.detach().to(at::kDouble).reshape(-1);
+  at::Tensor a = actual.detach().to(at::kCPU, at::kDouble).reshape(-1);
   if (a.numel() != static_cast<int64_t>(expected.values.size()))
     return ::testing::AssertionFailure()
            << "size " << a.numel() << " vs " << expected.values.size();

@@ -134,8 +134,8 @@ void run_file(const fbt::RefFile& file, const Table& table, const GradFn& grads,
       continue;
     }
     used.insert(block.header);
-    std::vector<at::Tensor> params = {w0.tensor(dtype).requires_grad_(),
-                                      b0.tensor(dtype).requires_grad_()};
+    std::vector<at::Tensor> params = {w0.tensor(dtype).to(fbt::device()).requires_grad_(),
+                                      b0.tensor(dtype).to(fbt::device()).requires_grad_()};
     auto opt = fbt::make(it->second.file, params, it->second.args);
     ASSERT_FALSE(block.steps.empty());
     ASSERT_EQ(block.steps[0].step, 1);
@@ -205,8 +205,8 @@ TEST_P(ReferenceTrajectory, AutoLrOnQuadratic) {
   const at::Tensor tw = fbt::find_list(file.comments, "TW").tensor();
   const at::Tensor tb = fbt::find_list(file.comments, "TB").tensor();
   GradFn grads = [&](int, const std::vector<at::Tensor>& p) {
-    return std::vector<at::Tensor>{p[0].detach() - tw.to(p[0].scalar_type()),
-                                   p[1].detach() - tb.to(p[1].scalar_type())};
+    return std::vector<at::Tensor>{p[0].detach() - tw.to(p[0].options()),
+                                   p[1].detach() - tb.to(p[1].options())};
   };
   run_file(file, auto_lr_table(), grads, GetParam(), tolerance());
 }

@@ -6,8 +6,9 @@ namespace {
 // Parameters of several ranks (a 4-D one included) and a gradient sequence, all seeded.
 std::vector<at::Tensor> initial_params(at::ScalarType dtype) {
   at::manual_seed(7);
-  return {at::randn({4, 5}).to(dtype), at::randn({5}).to(dtype), at::randn({2, 3, 4}).to(dtype),
-          at::randn({2, 3, 2, 2}).to(dtype)};
+  const at::TensorOptions o = at::TensorOptions().dtype(dtype).device(fbt::device());
+  return {at::randn({4, 5}).to(o), at::randn({5}).to(o), at::randn({2, 3, 4}).to(o),
+          at::randn({2, 3, 2, 2}).to(o)};
 }
 
 std::vector<std::vector<at::Tensor>> gradient_sequence(const std::vector<at::Tensor>& params,
