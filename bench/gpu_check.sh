@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# GPU check: builds fusebox against this machine's PyTorch (LibTorch 2.x with CUDA) and runs, on
+# the GPU, the plugin and step-mode equivalence tests, the trainer on a denoiser of about 1.08
+# billion parameters in the normal, fused and groups modes, and the memory benchmark (CPU only: it
+# has no device option). About 8 minutes in all; every part has its own time limit.
+#
+#   bash bench/gpu_check.sh OUTDIR        (or OUT=OUTDIR bash bench/gpu_check.sh)
+#
+# Writes OUTDIR/gpu_check.log (everything), OUTDIR/summary.txt (one line per part), the test XML,
+# each trainer run's log and output folder (metrics.jsonl, summary.json with peak memory), and the
+# environment (PyTorch, CUDA, nvcc, nvidia-smi). Exit status 0 only when every part passed.
+#
+# Needs: python3 with a CUDA build of PyTorch whose C++ ABI is the new one (pip wheels from 2.7
+# on; the system's Boost and GoogleTest use it), a visible NVIDIA GPU, nvcc (CUDACXX, PATH or
+# /usr/local/cuda/bin; ideally the CUDA major version PyTorch was built with), cmake >= 3.18, ninja,
+# and the Debian packages scripts/setup.sh installs (Boost, toml++, GoogleTest).
+# Environment: FUSEBOX_GPU_BUDGET_S (default 480), FUSEBOX_GPU_BUILD (default build-gpu),
+# FUSEBOX_CUDA_ARCH (CMAKE_CUDA_ARCHITECTURES, default native).
+set -uo pipefail
+
+OUT_DIR=${1:-${OUT:-}}
+if [ -z "$OUT_DIR" ]; then
+  echo "usage: bash bench/gpu_check.sh OUTDIR" >&2
+  exit 2
+fi
+mkdir -p "$OUT_DIR" || exit 2
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 2
+BUILD=${FUSEBOX_GPU_BUILD:-build-gpu}
+BUDGET=${FUSEBOX_GPU_BUDGET_S:-480}
+START=$(date +%s)
+SUMMARY="$OUT_DIR/summary.txt"
+: >"$SUMMARY"
+exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
+FAILED=0
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+note() { echo "$*" | tee -a "$SUMMARY"; }
+fail() {
+  note "gpu_check: FAILED: $*"
+  exit 1
+}
+
+# part NAME LIMIT_S COMMAND...: runs COMMAND under `timeout` (LIMIT_S, or less if the budget is
+# nearly spent), its output into $PART_LOG when that is set; records pass/fail/timeout and time.
+part() {
+  local name=$1 limit=$2
+  shift 2
+  local remaining
+  remaining=$(left)
+  if [ "$remaining" -le 5 ]; then
+    note "SKIPPED  $name (time budget of ${BUDGET}s spent)"
+    FAILED=1
+    return 1
+  fi
+  [ "$limit" -gt "$remaining" ] && limit=$remaining
+  echo "=== $name (limit ${limit}s): $*"
+  local t0 rc
+  t0=$(date +%s)
+  if [ -n "${PART_LOG:-}" ]; then
+    timeout --kill-after=10 "$limit" "$@" >"$PART_LOG" 2>&1
+  else
+    timeout --kill-after=10 "$limit" "$@"
+  fi
+  rc=$?
+  local dt=$(($(date +%s) - t0))
+  if [ $rc -eq 0 ]; then
+    note "PASSED   $name (${dt}s)"
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    note "TIMEOUT  $name (after ${dt}s, limit ${limit}s)"
+    FAILED=1
+  else
+    note "FAILED   $name (exit $rc, ${dt}s)"
+    FAILED=1
+  fi
+  return $rc
+}
+
+# ---- 1. What this machine has ----------------------------------------------------------------
+command -v python3 >/dev/null || fail "python3 not found (this check builds against PyTorch's LibTorch)"
+if ! python3 -c 'import torch' 2>"$OUT_DIR/torch_import.err"; then
+  fail "python3 cannot import torch ($(tail -n 1 "$OUT_DIR/torch_import.err")); install a CUDA build of PyTorch"
+fi
+python3 - >"$OUT_DIR/environment.txt" 2>&1 <<'PY'
+import torch
+print("torch", torch.__version__)
+print("torch_cuda", torch.version.cuda)
+print("cuda_available", torch.cuda.is_available())
+print("cxx11_abi", torch._C._GLIBCXX_USE_CXX11_ABI)
+print("cmake_prefix_path", torch.utils.cmake_prefix_path)
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0))
+    print("capability", "%d.%d" % torch.cuda.get_device_capability(0))
+PY
+cat "$OUT_DIR/environment.txt"
+envget() { sed -n "s/^$1 //p" "$OUT_DIR/environment.txt"; }
+[ "$(envget torch_cuda)" != "None" ] && [ -n "$(envget torch_cuda)" ] ||
+  fail "this PyTorch has no CUDA (torch.version.cuda is None)"
+[ "$(envget cuda_available)" = "True" ] ||
+  fail "torch.cuda.is_available() is False: no GPU visible (check nvidia-smi and the driver)"
+[ "$(envget cxx11_abi)" = "True" ] ||
+  fail "this PyTorch uses the old C++ ABI (_GLIBCXX_USE_CXX11_ABI=0); the system Boost and GoogleTest use the new one: use PyTorch >= 2.7 or a cxx11-ABI LibTorch"
+PREFIX=$(envget cmake_prefix_path)
+command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT_DIR/nvidia-smi.txt" 2>&1
+NVCC=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+[ -x "$NVCC" ] || fail "nvcc not found (set CUDACXX, or put the CUDA toolkit's bin in PATH)"
+NVCC_VERSION=$("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
+note "torch $(envget torch) (CUDA $(envget torch_cuda)) on $(envget device) (sm $(envget capability)); nvcc $NVCC_VERSION"
+if [ "${NVCC_VERSION%%.*}" != "$(envget torch_cuda | cut -d. -f1)" ]; then
+  note "warning: nvcc $NVCC_VERSION and PyTorch's CUDA $(envget torch_cuda) differ in major version: the kernels then load a second CUDA runtime, which needs a driver for the newer one"
+fi
+command -v cmake >/dev/null || fail "cmake not found"
+command -v ninja >/dev/null || fail "ninja not found"
+
+# ---- 2. Build (only what the checks run) ------------------------------------------------------
+export CUDACXX=$NVCC
+part "configure" 120 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$PREFIX" -DFUSEBOX_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="${FUSEBOX_CUDA_ARCH:-native}" -DFUSEBOX_BUILD_BENCH=ON ||
+  fail "configure (see gpu_check.log; FUSEBOX_CUDA=ON stops there when LibTorch has no CUDA)"
+part "build" 300 ninja -C "$BUILD" plugin_tests core_tests trainer memory_bench ||
+  fail "build (see gpu_check.log)"
+
+# ---- 3. Tests on the GPU ------------------------------------------------------------------------
+# Plugins on CUDA: the kernels against the host math, the reference trajectories, step() against
+# step_param() and state round trips (fp32/bf16 take the kernels, fp64 the ATen path).
+FUSEBOX_TEST_DEVICE=cuda part "plugin tests on cuda" 90 "$BUILD/bin/plugin_tests" \
+  --gtest_filter='CudaMath.*:*ReferenceTrajectory.*:StepParam.EqualsStepBitForBit:StateDict.SaveLoadContinuesBitForBit' \
+  --gtest_output="xml:$OUT_DIR/plugin_tests_cuda.xml"
+# Step modes on CUDA: fused and groups equal normal bit for bit, clipping, grad norms.
+FUSEBOX_TEST_DEVICE=cuda part "step-mode tests on cuda" 90 "$BUILD/bin/core_tests" \
+  --gtest_filter='StepModes.FusedAndGroupsEqualNormal*:StepModes.WithClipping*:StepModes.GradNorm*:StepModes.UnusedParameter*' \
+  --gtest_output="xml:$OUT_DIR/core_tests_cuda.xml"
+# The whole plugin suite on the CPU of the CUDA build.
+part "plugin tests on cpu" 60 "$BUILD/bin/plugin_tests" --gtest_output="xml:$OUT_DIR/plugin_tests_cpu.xml"
+
+# ---- 4. Trainer: denoiser, ~1.08e9 parameters (width 832, 3 levels), a few steps per mode -------
+MODEL=(--device cuda --model denoiser --model-width 832 --model-depth 3 --image-size 16
+  --train-batch-size 2 --max-train-steps 4 --log-every 1)
+train() {
+  local name=$1
+  shift
+  PART_LOG="$OUT_DIR/trainer_$name.log" part "trainer $name" 60 "$BUILD/bin/trainer" "${MODEL[@]}" \
+    --output-dir "$OUT_DIR/trainer_$name" "$@"
+  tail -n 5 "$OUT_DIR/trainer_$name.log"
+}
+train adamw_normal --optimizer adamw
+train adamw_fused --optimizer adamw --fused-backward-pass
+train adamw_groups --optimizer adamw --fused-optimizer-groups 4
+train adafactor_fused --optimizer-plugin adafactor_fused.so --fused-backward-pass
+
+# ---- 5. Memory benchmark (CPU: memory_bench has no device option) -------------------------------
+PART_LOG="$OUT_DIR/memory_bench_cpu.log" part "memory_bench --quick (cpu)" 45 \
+  "$BUILD/bin/memory_bench" --quick --out "$OUT_DIR/memory_bench_cpu"
+
+note "total $(($(date +%s) - START))s of a ${BUDGET}s budget"
+if [ $FAILED -ne 0 ]; then
+  note "gpu_check: some parts failed or were skipped (see summary.txt and gpu_check.log)"
+  exit 1
+fi
+note "gpu_check: all parts passed"
