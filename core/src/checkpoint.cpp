@@ -1,5 +1,7 @@
 #include "fusebox/core/checkpoint.h"
 
+#include "fusebox/core/step_mode.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <fcntl.h>
@@ -13,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <regex>
+#include <set>
 
 namespace fusebox {
 
@@ -174,6 +177,10 @@ void write_file_atomically(const fs::path& path, const std::string& bytes) {
 }
 
 void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
+  write_file_atomically(path, encode_checkpoint(ckpt));
+}
+
+std::string encode_checkpoint(const Checkpoint& ckpt) {
   std::string payload;
   const uint64_t entries = ckpt.model.size() + ckpt.optimizer.size() + ckpt.rng.size() +
                            ckpt.meta.size() + ckpt.counters.size();
@@ -207,7 +214,7 @@ void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
   put<uint64_t>(bytes, payload.size());
   put<uint64_t>(bytes, fnv1a(payload.data(), payload.size()));
   bytes += payload;
-  write_file_atomically(path, bytes);
+  return bytes;
 }
 
 Checkpoint load_checkpoint(const fs::path& path) {
@@ -263,6 +270,29 @@ StateDict merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& 
   StateDict out;
   for (const auto& opt : optimizers)
     for (const auto& [k, v] : opt->state_dict()) out[k] = v.detach().clone();
+  return out;
+}
+
+StateDict owned_optimizer_state(const StateDict& merged, const std::vector<ParamGroup>& groups,
+                                int rank, int world) {
+  // The step modes shard over all parameters as one list, in order (see state_sharding.cpp).
+  ParamGroup all;
+  std::vector<std::string> names;
+  for (const auto& g : groups)
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      all.params.push_back(g.params[i]);
+      names.push_back(g.names.at(i));
+    }
+  const std::vector<int> owners = parameter_owners({all}, world);
+  std::set<std::string> mine;
+  for (size_t i = 0; i < names.size(); ++i)
+    if (owners[i] == rank) mine.insert(names[i]);
+  StateDict out;
+  for (const auto& [key, t] : merged) {
+    const size_t slash = key.rfind('/');
+    const std::string owner = slash == std::string::npos ? key : key.substr(0, slash);
+    if (owner == "@optimizer" || mine.count(owner)) out[key] = t;
+  }
   return out;
 }
 

@@ -2,8 +2,12 @@
 // single-process run.
 #include "fusebox/core/distributed.h"
 
+#include <ATen/ATen.h>
+
 #include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <map>
 
 namespace fusebox {
 
@@ -49,7 +53,37 @@ DistributedConfig distributed_config_from_env() {
     c.master_addr = a;
   }
   c.master_port = static_cast<int>(env_int("MASTER_PORT", 29500, 1, 65535));
+  c.local_world_size = static_cast<int>(env_int("LOCAL_WORLD_SIZE", c.world_size, 1, c.world_size));
   return c;
+}
+
+void broadcast_parameters(Communicator& comm, const std::vector<at::Tensor>& params, int root) {
+  at::NoGradGuard no_grad;
+  // One call per dtype (a call packs its tensors into one buffer); std::map keeps the order the
+  // same on every rank.
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_type;
+  for (const auto& p : params) by_type[p.scalar_type()].push_back(p.detach());
+  std::vector<std::unique_ptr<Communicator::Pending>> pending;
+  for (auto& [type, tensors] : by_type) pending.push_back(comm.broadcast(tensors, root));
+  for (auto& p : pending)
+    if (p) p->wait();
+}
+
+std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string& mine) {
+  const int world = comm.world_size();
+  // Sizes first (a sum where each rank fills its own slot), then each rank's bytes in turn.
+  at::Tensor sizes = at::zeros({world}, at::kDouble);
+  sizes[comm.rank()] = static_cast<double>(mine.size());
+  if (auto p = comm.sum(sizes)) p->wait();
+  std::vector<std::string> out(world);
+  for (int r = 0; r < world; ++r) {
+    const auto n = static_cast<int64_t>(sizes[r].item<double>());
+    at::Tensor buf = at::empty({std::max<int64_t>(n, 1)}, at::kByte);
+    if (r == comm.rank() && n > 0) std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+    if (auto p = comm.broadcast({buf}, r)) p->wait();
+    out[r].assign(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(n));
+  }
+  return out;
 }
 
 }  // namespace fusebox

@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include <map>
-
 namespace fusebox {
 
 std::vector<int> parameter_owners(const std::vector<ParamGroup>& groups, int world) {
@@ -38,17 +36,12 @@ void StateSharding::drop_foreign_grads(const std::vector<at::Tensor>& params, si
 
 void StateSharding::broadcast(const std::vector<at::Tensor>& params) const {
   if (!comm_) return;
-  at::NoGradGuard no_grad;
-  std::vector<std::unique_ptr<Communicator::Pending>> pending;
   for (int r = 0; r < comm_->world_size(); ++r) {
-    // One call per owner and dtype (a call packs tensors of one dtype into one buffer).
-    std::map<at::ScalarType, std::vector<at::Tensor>> by_type;
+    std::vector<at::Tensor> owned;
     for (size_t i = 0; i < params.size(); ++i)
-      if (owner_[i] == r) by_type[params[i].scalar_type()].push_back(params[i].detach());
-    for (auto& [type, tensors] : by_type) pending.push_back(comm_->broadcast(tensors, r));
+      if (owner_[i] == r) owned.push_back(params[i]);
+    broadcast_parameters(*comm_, owned, r);
   }
-  for (auto& p : pending)
-    if (p) p->wait();
 }
 
 }  // namespace detail

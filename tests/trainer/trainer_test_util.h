@@ -110,8 +110,9 @@ inline int count_lines(const std::string& s) {
 /// Runs the real trainer program with a shell command line; captures stdout and stderr.
 inline Result run_program(const std::string& args, const std::string& dir) {
   const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
-  const std::string cmd =
-      std::string(FUSEBOX_BIN_DIR) + "/trainer " + args + " >" + out + " 2>" + err;
+  const std::string cmd = "timeout -k 5 600 " + std::string(FUSEBOX_BIN_DIR) + "/trainer " + args +
+                          " >" + out + " 2>" +
+                          err;  // a hung run fails the test instead of the whole suite
   int status = std::system(cmd.c_str());
   Result r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

@@ -1,6 +1,8 @@
 #include "app.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <set>
 
@@ -9,6 +11,7 @@
 #include "describe.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/suggest.h"
+#include "launch.h"
 #include "options.h"
 #include "run.h"
 #include "toml_io.h"
@@ -173,13 +176,30 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       p.config.save_model = run_model_path(*p.config.save_model, p.config.name);
   }
 
-  Console console{out, err, terminal};
+  // Data parallel: --nproc-per-node starts the ranks; a rank joins the job.
+  const int64_t nproc = std::get<int64_t>(top.values.at("nproc-per-node").value);
+  if ((nproc > 1 || launched_as_rank()) && !distributed_available())
+    throw Error(
+        "--nproc-per-node: this build of fusebox has no distributed support (install "
+        "libgloo-dev and rebuild)");
+  if (nproc > 1 && !launched_as_rank())
+    return launch_local_ranks(args, nproc, plan.front().config.dist_timeout + 10, err);
+  Distributed dist;
+  dist.config = distributed_config_from_env();
+  if (dist.config.world_size > 1) {
+    dist.config.timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(plan.front().config.dist_timeout * 1000));
+    dist.comm = connect(dist.config);
+  }
+  std::ostream silent(nullptr);  // ranks other than 0 print only warnings and errors
+  Console console{dist.leader() ? out : silent, err, terminal && dist.leader()};
   std::vector<RunSummary> summaries;
   for (auto& p : plan) {
-    RunSummary s = run_training(p.config, *p.plugin, p.hyperparams, console);
-    out << summary_text(s);
+    RunSummary s = run_training(p.config, *p.plugin, p.hyperparams, console, dist);
+    console.out << summary_text(s);
     summaries.push_back(s);
   }
+  if (!dist.leader()) return kExitOk;
   if (summaries.size() > 1) {
     const std::string table = comparison_table(summaries);
     out << "\n" << table;
@@ -193,20 +213,24 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
 
 int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err,
                  bool terminal) {
+  // In a data-parallel job every rank reports its own failure; say which rank it was.
+  std::string who;
+  if (launched_as_rank())
+    if (const char* r = std::getenv("RANK")) who = std::string("rank ") + r + ": ";
   try {
     return run(args, out, err, terminal);
   } catch (const TrainingFailed& e) {
     out.flush();
-    err << "trainer: error: " << e.what() << "\n";
+    err << "trainer: error: " << who << e.what() << "\n";
     return kExitTraining;
   } catch (const Error& e) {
     out.flush();
-    err << "trainer: error: " << e.what() << "\n";
+    err << "trainer: error: " << who << e.what() << "\n";
     return kExitUsage;
   } catch (const std::exception& e) {
     out.flush();
     std::string msg = e.what();
-    err << "trainer: error: internal: " << msg.substr(0, msg.find('\n')) << "\n";
+    err << "trainer: error: " << who << "internal: " << msg.substr(0, msg.find('\n')) << "\n";
     return kExitInternal;
   }
 }

@@ -2,6 +2,7 @@
 
 #include <filesystem>
 
+#include "fusebox/core/distributed.h"
 #include "fusebox/error.h"
 
 namespace fusebox::trainer {
@@ -44,9 +45,12 @@ void restore_model(const Checkpoint& ckpt, Model& model) {
 }
 
 int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrScheduler& scheduler,
-                               DataSource& data) {
+                               DataSource& data, const std::optional<StateShare>& share) {
   try {
-    load_merged_optimizer_state(mode.optimizers(), ckpt.optimizer);
+    load_merged_optimizer_state(
+        mode.optimizers(),
+        share ? owned_optimizer_state(ckpt.optimizer, share->groups, share->rank, share->world)
+              : ckpt.optimizer);
   } catch (const Error& e) {
     throw Error(std::string("--resume: ") + e.what());
   }
@@ -61,12 +65,25 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   if (c.output_dir.empty()) return;
   const bool due = c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0;
   if (!due && !final) return;
+  // Every rank gets here at the same steps (the decision above is the same on all of them).
+  Checkpoint ckpt;
+  ckpt.optimizer = merged_optimizer_state(ctx.mode.optimizers());
+  if (ctx.sharded && ctx.comm) {
+    // Each rank holds the state of its parameters only: gather every share on every rank.
+    Checkpoint mine;
+    mine.optimizer = std::move(ckpt.optimizer);
+    const std::vector<std::string> parts = all_gather_bytes(*ctx.comm, encode_checkpoint(mine));
+    ckpt.optimizer.clear();
+    for (size_t r = 0; r < parts.size(); ++r)
+      for (auto& [k, t] :
+           parse_checkpoint(parts[r], "state of rank " + std::to_string(r)).optimizer)
+        ckpt.optimizer[k] = t;
+  }
+  if (!ctx.leader) return;
   const fs::path path = fs::path(c.output_dir) / checkpoint_name(step);
   std::error_code ec;
   if (final && fs::exists(path, ec)) return;  // already saved as a periodic checkpoint
-  Checkpoint ckpt;
   for (const auto& [name, t] : ctx.model.parameters()) ckpt.model[name] = t;
-  ckpt.optimizer = merged_optimizer_state(ctx.mode.optimizers());
   ckpt.rng = capture_rng_state();
   ckpt.rng["data"] = ctx.data.generator().get_state();
   ckpt.counters["step"] = step;

@@ -12,6 +12,7 @@
 #include "config.h"
 #include "data.h"
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/distributed.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
@@ -30,9 +31,17 @@ std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& config,
 /// Copies the checkpoint's parameters into `model` (names and shapes must match).
 void restore_model(const Checkpoint& ckpt, Model& model);
 
-/// Restores optimizer state, scheduler, RNG and data position; returns the steps already done.
+/// ZeRO-1: the share of the optimizer state a rank keeps (see owned_optimizer_state()).
+struct StateShare {
+  std::vector<ParamGroup> groups;  ///< as given to the step mode
+  int rank = 0, world = 1;
+};
+
+/// Restores optimizer state (only `share`'s part when given), scheduler, RNG and data position;
+/// returns the steps already done.
 int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrScheduler& scheduler,
-                               DataSource& data);
+                               DataSource& data,
+                               const std::optional<StateShare>& share = std::nullopt);
 
 /// Everything a checkpoint save needs from the run loop.
 struct CheckpointContext {
@@ -42,10 +51,15 @@ struct CheckpointContext {
   StepMode& mode;
   LrScheduler& scheduler;
   DataSource& data;
+  std::shared_ptr<Communicator> comm;  ///< data parallel, or null
+  bool leader = true;                  ///< this rank writes the files
+  bool sharded = false;                ///< ZeRO-1: the state is gathered from every rank first
 };
 
 /// Saves a checkpoint after `step` steps when --save-every-n-steps says so or when `final`
-/// (and --output-dir is set), then prunes per --keep-last-n-checkpoints.
+/// (and --output-dir is set), then prunes per --keep-last-n-checkpoints. Data parallel: every
+/// rank calls it; rank 0 writes one file, the same whatever the world size (with sharded state,
+/// the other ranks first send it their shares).
 void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool final);
 
 }  // namespace fusebox::trainer

@@ -120,6 +120,11 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.device = r.get<std::string>("device");
   c.seed = r.get<int64_t>("seed");
   c.threads = r.get<int64_t>("threads");
+  c.threads_given = !r.setting("threads").where.empty();
+  c.nproc_per_node = r.get<int64_t>("nproc-per-node");
+  c.dist_timeout = r.get<double>("dist-timeout");
+  c.dist_bucket_mb = r.get<double>("dist-bucket-mb");
+  c.shard_optimizer_state = r.get<bool>("shard-optimizer-state");
   if (c.full_bf16 && c.mixed_precision == "fp16")
     throw Error(r.label("full-bf16") + ": cannot be combined with --mixed-precision fp16");
   if (c.full_bf16 && c.dtype == "float64")

@@ -38,6 +38,12 @@ struct TrainConfig {
   bool full_bf16 = false;
   int64_t seed = 0, threads = 1;
 
+  // Distributed.
+  int64_t nproc_per_node = 1;
+  double dist_timeout = 300, dist_bucket_mb = 25;
+  bool shard_optimizer_state = false;
+  bool threads_given = false;  ///< --threads set explicitly (else ranks share the cores)
+
   // Model and data.
   std::string model;
   int64_t model_width = 0, model_depth = 0, model_heads = 0, seq_len = 0, vocab_size = 0;

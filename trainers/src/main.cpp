@@ -7,12 +7,14 @@
 #include <vector>
 
 #include "app.h"
+#include "launch.h"
 
 int main(int argc, char** argv) {
   // Keep freed tensor memory in the process: otherwise glibc unmaps and re-maps large blocks
   // each step (page faults), which costs more in some step modes than in others.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  fusebox::trainer::allow_self_launch();
   std::vector<std::string> args(argv + 1, argv + argc);
   return fusebox::trainer::trainer_main(args, std::cout, std::cerr, ::isatty(STDOUT_FILENO) != 0);
 }

@@ -121,6 +121,22 @@ std::vector<OptionSpec> build_specs() {
       add(opt("threads", Kind::Int, cores, "intra-op CPU threads (default: the core count)", "N")),
       1);
 
+  section = "Distributed (data parallel, c10d)";
+  at_least(add(opt("nproc-per-node", Kind::Int, int64_t{1},
+                   "start N local processes that train together, each on 1/N of every batch "
+                   "(other machines: run the same command with torchrun's RANK, WORLD_SIZE, "
+                   "MASTER_ADDR, MASTER_PORT)",
+                   "N")),
+           1);
+  at_least(add(opt("dist-timeout", Kind::Real, 300.0,
+                   "seconds to wait for the rendezvous or for another rank in a collective", "S")),
+           0.1);
+  at_least(add(opt("dist-bucket-mb", Kind::Real, 25.0,
+                   "gradients are averaged in buckets of this many MiB while backward runs", "MB")),
+           0.001);
+  add(opt("shard-optimizer-state", Kind::Flag, false,
+          "ZeRO-1: each rank keeps optimizer state for, and updates, 1/N of the parameters"));
+
   section = "Model";
   choices(add(opt("model", Kind::Choice, std::string("mlp"), "built-in model to train",
                   "mlp|transformer|denoiser")),

@@ -49,6 +49,29 @@ Batch to_device(Batch b, c10::Device device, at::ScalarType dtype, at::ScalarTyp
   return b;
 }
 
+// Rank `rank` of `world`'s rows of a global batch (each rank trains an equal share).
+Batch shard(Batch b, int rank, int world) {
+  if (world == 1) return b;
+  auto rows = [&](at::Tensor& t) {
+    if (!t.defined() || t.dim() == 0) return;
+    const int64_t n = t.size(0) / world;
+    t = t.narrow(0, rank * n, n);
+  };
+  rows(b.input);
+  rows(b.target);
+  rows(b.noise);
+  rows(b.timesteps);
+  return b;
+}
+
+// The mean of `value` over the ranks (every rank must call it).
+double mean_over_ranks(double value, const Distributed& dist) {
+  if (!dist.comm) return value;
+  at::Tensor t = at::full({1}, value, at::kDouble);
+  if (auto p = dist.comm->sum(t)) p->wait();
+  return t.item<double>() / dist.config.world_size;
+}
+
 // The first line of an exception message (LibTorch appends backtraces on later lines).
 std::string one_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
@@ -65,6 +88,10 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
     throw Error("--fused-optimizer-groups cannot be used with " + info.name +
                 ": auto-LR optimizers (such as D-Adaptation and Prodigy) estimate one step size "
                 "from all parameters");
+  if (c.shard_optimizer_state && plugin.has(kAutoLr))
+    throw Error("--shard-optimizer-state cannot be used with " + info.name +
+                ": auto-LR optimizers (such as D-Adaptation and Prodigy) estimate one step size "
+                "from all parameters, which no rank holds alone");
   UserArgs args = c.optimizer_args;
   if (c.learning_rate) {
     if (!plugin.schema().find("lr"))
@@ -97,9 +124,25 @@ void check_runtime(const TrainConfig& c, std::ostream& warnings) {
 }
 
 RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const HyperParams& hp,
-                        Console& con) {
+                        Console& con, const Distributed& dist) {
   // ---- set-up: errors here are configuration problems
-  at::set_num_threads(static_cast<int>(c.threads));
+  const int world = dist.config.world_size;
+  if (world > 1 && c.train_batch_size % world != 0)
+    throw Error("--train-batch-size " + std::to_string(c.train_batch_size) +
+                " cannot be split evenly over " + std::to_string(world) +
+                " ranks: each rank trains an equal share of every batch; use a multiple of " +
+                std::to_string(world));
+  if (world > 1 && c.dataset == "none")
+    throw Error(
+        "--dataset none: a script model that makes its own data cannot be split over "
+        "ranks; give it synthetic or text data");
+  if (c.shard_optimizer_state && world == 1)
+    con.err << "trainer: warning: --shard-optimizer-state has no effect in a single process\n";
+  // Ranks on one machine share its cores unless --threads says otherwise.
+  int64_t threads = c.threads;
+  if (!c.threads_given && dist.config.local_world_size > 1)
+    threads = std::max<int64_t>(1, threads / dist.config.local_world_size);
+  at::set_num_threads(static_cast<int>(threads));
   at::manual_seed(static_cast<uint64_t>(c.seed));
   memory::mark_phase("setup");
   const c10::Device device(c.device == "cuda" ? c10::kCUDA : c10::kCPU);
@@ -121,12 +164,21 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   // Parameters are restored before the step mode exists, so its hooks see the resumed tensors.
   const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin);
   if (resumed) restore_model(*resumed, *model);
+  std::vector<ParamGroup> groups = param_groups(*model);
+  if (dist.comm) {
+    // Every rank starts from rank 0's weights (whatever the model's own initialisation did).
+    std::vector<at::Tensor> params;
+    for (const auto& g : groups) params.insert(params.end(), g.params.begin(), g.params.end());
+    broadcast_parameters(*dist.comm, params, 0);
+  }
 
   StepOptions so;
   so.max_grad_norm = c.max_grad_norm;
   so.non_finite = c.on_non_finite == "skip" ? NonFinitePolicy::Skip : NonFinitePolicy::Stop;
   so.warn = [&con](const std::string& m) { con.err << "trainer: warning: " << m << "\n"; };
-  std::vector<ParamGroup> groups = param_groups(*model);
+  so.comm = dist.comm;
+  so.bucket_bytes = static_cast<int64_t>(c.dist_bucket_mb * 1024 * 1024);
+  so.shard_optimizer_state = c.shard_optimizer_state && dist.comm;
   std::unique_ptr<StepMode> mode;
   if (c.fused_backward_pass) {
     mode = make_fused_backward(plugin.create(groups, hp), so);
@@ -146,12 +198,16 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   sched.num_cycles = c.lr_scheduler_num_cycles;
   sched.power = c.lr_scheduler_power;
   LrScheduler scheduler(mode->optimizers(), sched);
+  std::optional<StateShare> share;  // ZeRO-1: the optimizer state this rank keeps
+  if (so.shard_optimizer_state) share = StateShare{groups, dist.config.rank, world};
   const int64_t first_step =
-      resumed ? restore_training_state(*resumed, *mode, scheduler, *data) : 0;
+      resumed ? restore_training_state(*resumed, *mode, scheduler, *data, share) : 0;
   if (first_step >= c.max_train_steps)
     throw Error("--resume: the checkpoint is at step " + std::to_string(first_step) +
                 ", --max-train-steps is " + std::to_string(c.max_train_steps) + ": nothing to do");
-  const CheckpointContext ckpt_ctx{c, plugin, *model, *mode, scheduler, *data};
+  const CheckpointContext ckpt_ctx{c,         plugin,        *model,
+                                   *mode,     scheduler,     *data,
+                                   dist.comm, dist.leader(), so.shard_optimizer_state};
 
   RunSummary summary;
   summary.name = c.name;
@@ -163,8 +219,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << summary.mode << ", " << mode->optimizers().size() << " optimizer"
           << (mode->optimizers().size() == 1 ? "" : "s") << ")\n";
 
-  if (!c.output_dir.empty()) remove_stale_temporaries(c.output_dir);  // from killed runs
-  MetricsFiles files(c.output_dir, scheduler.lrs().size());
+  if (!c.output_dir.empty() && dist.leader())
+    remove_stale_temporaries(c.output_dir);  // from killed runs
+  MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size());
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]");
   const bool autocast = autocast_enabled(c);
@@ -181,7 +238,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       double loss_sum = 0;
       bool bad_loss = false;  // --on-non-finite skip: this step's update is dropped
       for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
-        Batch batch = to_device(data->next(), device, dtype, loss_dtype);
+        Batch batch =
+            to_device(shard(data->next(), dist.config.rank, world), device, dtype, loss_dtype);
         memory::mark_phase("forward");
         at::Tensor loss;
         {
@@ -190,7 +248,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         }
         if (c.gradient_accumulation_steps > 1)
           loss = loss / static_cast<double>(c.gradient_accumulation_steps);
-        const double loss_value = loss.detach().to(at::kDouble).item<double>();
+        // Averaged over the ranks: the logged loss is the global batch's, and every rank takes
+        // the same decision on a non-finite loss.
+        const double loss_value =
+            mean_over_ranks(loss.detach().to(at::kDouble).item<double>(), dist);
         if (!std::isfinite(loss_value)) {
           // Caught before backward: in fused and grouped modes nothing has been updated yet.
           if (c.on_non_finite == "stop")
@@ -251,7 +312,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   summary.memory_breakdown = memory::describe(acct, mode->name());
   summary.weights_bytes = acct.weights, summary.state_bytes = acct.state;
   summary.grads_alive_bytes = acct.grads_alive;
-  if (c.save_model) model->save(*c.save_model);
+  if (c.save_model && dist.leader()) model->save(*c.save_model);
   files.commit(summary);
   return summary;
 }

@@ -2,9 +2,11 @@
 // scheduler, precision, metrics.
 #pragma once
 
+#include <memory>
 #include <ostream>
 
 #include "config.h"
+#include "fusebox/core/distributed.h"
 #include "fusebox/core/plugin_registry.h"
 #include "output.h"
 
@@ -15,6 +17,13 @@ struct Console {
   std::ostream& out;  ///< progress, summaries, tables
   std::ostream& err;  ///< warnings and errors
   bool terminal;      ///< draw a progress bar instead of periodic lines
+};
+
+/// This process's place in a data-parallel job (world size 1 and no communicator: alone).
+struct Distributed {
+  DistributedConfig config;
+  std::shared_ptr<Communicator> comm;
+  bool leader() const { return config.rank == 0; }  ///< writes files and prints progress
 };
 
 /// A failure while training (after set-up succeeded): a plugin exception, non-finite gradients.
@@ -33,6 +42,7 @@ void check_runtime(const TrainConfig& config, std::ostream& warnings);
 
 /// Trains one run. Set-up problems throw Error; failures during training throw TrainingFailed.
 RunSummary run_training(const TrainConfig& config, const LoadedPlugin& plugin,
-                        const HyperParams& hyperparams, Console& console);
+                        const HyperParams& hyperparams, Console& console,
+                        const Distributed& dist = {});
 
 }  // namespace fusebox::trainer

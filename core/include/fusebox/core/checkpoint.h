@@ -34,6 +34,8 @@ struct Checkpoint {
 /// Writes `ckpt` to `path` atomically (temp file + fsync + rename). Throws Error naming the path.
 void save_checkpoint(const Checkpoint& ckpt, const std::filesystem::path& path);
 
+/// The bytes save_checkpoint() writes (e.g. to send a checkpoint's parts between ranks).
+std::string encode_checkpoint(const Checkpoint& ckpt);
 /// Reads a checkpoint; a missing, truncated, corrupt or foreign file throws one-line Error.
 Checkpoint load_checkpoint(const std::filesystem::path& path);
 /// Decodes the bytes of a checkpoint file; `where` names it in errors (load_checkpoint's core).
@@ -41,6 +43,11 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where);
 
 /// The state of all `optimizers`, merged into one name-keyed dict (clones, safe to keep).
 StateDict merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers);
+
+/// The part of a merged dict that ZeRO-1 rank `rank` of `world` keeps: optimizer-wide entries and
+/// the state of the parameters parameter_owners() gives it (`groups` as given to the step mode).
+StateDict owned_optimizer_state(const StateDict& merged, const std::vector<ParamGroup>& groups,
+                                int rank, int world);
 
 /// Loads a merged dict into `optimizers` (any grouping); throws if it holds state for a parameter
 /// none of them owns.

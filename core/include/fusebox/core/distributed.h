@@ -31,6 +31,7 @@ struct DistributedConfig {
   int rank = 0;                           ///< this process's rank, 0 .. world_size-1
   int world_size = 1;                     ///< number of processes; 1 means no distribution at all
   int local_rank = 0;                     ///< rank on this machine (selects the GPU on CUDA)
+  int local_world_size = 1;               ///< processes on this machine (they share its cores)
   std::string master_addr = "127.0.0.1";  ///< rank 0's address (the TCPStore runs there)
   int master_port = 29500;                ///< rank 0's TCPStore port
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};  ///< rendezvous and collectives
@@ -71,6 +72,12 @@ class FUSEBOX_VISIBLE Communicator {
   /// Blocks until every rank has arrived.
   virtual void barrier() = 0;
 };
+
+/// Copies `params` (e.g. a model's parameters) from rank `root` to every rank; blocks.
+void broadcast_parameters(Communicator& comm, const std::vector<at::Tensor>& params, int root);
+
+/// Every rank's `mine`, indexed by rank, on every rank (sizes may differ); blocks.
+std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string& mine);
 
 /// True when this build of fusebox has c10d (Gloo) support.
 bool distributed_available();

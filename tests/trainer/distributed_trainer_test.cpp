@@ -1,0 +1,158 @@
+// The trainer as a data-parallel job (--nproc-per-node): the real program, 2 ranks on 127.0.0.1,
+// each run bounded by `timeout`.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "fusebox/core/checkpoint.h"
+#include "fusebox/core/distributed.h"
+#include "trainer_test_util.h"
+
+using namespace fusebox::trainer::testing;
+
+namespace {
+
+std::string common(const std::string& optimizer, int steps) {
+  return "--plugin-dir " + std::string(FUSEBOX_PLUGIN_DIR) +
+         " --model transformer --model-width 16 --model-depth 2 --seq-len 8"
+         " --train-batch-size 4 --dtype float64 --threads 1 --optimizer " +
+         optimizer + " --max-train-steps " + std::to_string(steps);
+}
+
+// Runs the trainer in `dir`/`name`; returns its result.
+Result train(const TempDir& d, const std::string& name, const std::string& args) {
+  const std::string out = d.file(name);
+  std::filesystem::remove_all(out);
+  return run_program(args + " --log-every 100 --output-dir " + out, d.str());
+}
+
+std::map<std::string, at::Tensor> weights(const TempDir& d, const std::string& name) {
+  // The final checkpoint holds the trained parameters.
+  return fusebox::load_checkpoint(fusebox::list_checkpoints(d.file(name)).back()).model;
+}
+
+double max_diff(const std::map<std::string, at::Tensor>& a,
+                const std::map<std::string, at::Tensor>& b) {
+  double m = 0;
+  for (const auto& [k, t] : a) m = std::max(m, (t - b.at(k)).abs().max().item<double>());
+  return m;
+}
+
+bool identical(const std::map<std::string, at::Tensor>& a,
+               const std::map<std::string, at::Tensor>& b) {
+  for (const auto& [k, t] : a)
+    if (!at::equal(t, b.at(k))) return false;
+  return a.size() == b.size();
+}
+
+TEST(TrainerDistributed, TwoRanksTrainLikeOneProcessInEveryMode) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  const std::string base = common("adamw", 6);
+  Result one = train(d, "one", base);
+  ASSERT_EQ(one.code, 0) << one.err;
+  const auto ref = weights(d, "one");
+  std::map<std::string, at::Tensor> first;
+  for (const std::string mode :
+       {"", "--fused-backward-pass --dist-bucket-mb 0.01", "--fused-optimizer-groups 3",
+        "--shard-optimizer-state", "--fused-backward-pass --shard-optimizer-state"}) {
+    Result two = train(d, "two", base + " --nproc-per-node 2 " + mode);
+    ASSERT_EQ(two.code, 0) << mode << ": " << two.err;
+    EXPECT_EQ(count_lines(two.out), count_lines(one.out)) << "only rank 0 prints: " << two.out;
+    const auto w = weights(d, "two");
+    // Two half-batch means averaged instead of one full-batch mean: float64 rounding only.
+    EXPECT_LT(max_diff(w, ref), 1e-10) << mode;
+    if (first.empty())
+      first = w;
+    else
+      EXPECT_TRUE(identical(w, first)) << mode << " differs from 2-rank normal mode";
+    // The logged loss is the global batch's.
+    const auto l1 = losses(d.file("one") + "/metrics.jsonl"),
+               l2 = losses(d.file("two") + "/metrics.jsonl");
+    ASSERT_EQ(l1.size(), l2.size());
+    for (size_t i = 0; i < l1.size(); ++i) EXPECT_NEAR(l1[i], l2[i], 1e-10) << mode;
+  }
+}
+
+TEST(TrainerDistributed, ShardedCheckpointResumesWithAnotherWorldSize) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  const std::string base = common("adamw", 8) + " --save-every-n-steps 4";
+  Result full = train(d, "full", base + " --nproc-per-node 2 --shard-optimizer-state");
+  ASSERT_EQ(full.code, 0) << full.err;
+  // The checkpoint holds every rank's share: one process can continue from it ...
+  const std::string ckpt = d.file("full") + "/checkpoint-00000004.fbx";
+  EXPECT_EQ(fusebox::load_checkpoint(ckpt).optimizer.size(),
+            fusebox::load_checkpoint(d.file("full") + "/checkpoint-00000008.fbx").optimizer.size());
+  Result one = train(d, "one", base + " --resume " + ckpt);
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_LT(max_diff(weights(d, "one"), weights(d, "full")), 1e-10);
+  // ... and so can two ranks in another mode, bit for bit like the uninterrupted job.
+  Result two = train(d, "two",
+                     base +
+                         " --nproc-per-node 2 --shard-optimizer-state --fused-backward-pass "
+                         "--resume " +
+                         ckpt);
+  ASSERT_EQ(two.code, 0) << two.err;
+  EXPECT_TRUE(identical(weights(d, "two"), weights(d, "full")));
+}
+
+TEST(TrainerDistributed, BadSettingsAreOneLineErrorsFromEveryRank) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  Result r = run_program(common("adamw", 2) +
+                             " --output-dir \"\" --train-batch-size 5 "
+                             "--nproc-per-node 2",
+                         d.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("trainer: error: rank 0: --train-batch-size 5 cannot be split evenly "
+                       "over 2 ranks"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(count_lines(r.err), 2) << "one line per rank: " << r.err;
+  r = run_program(common("prodigy", 2) +
+                      " --output-dir \"\" --shard-optimizer-state "
+                      "--nproc-per-node 2",
+                  d.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--shard-optimizer-state cannot be used with prodigy"), std::string::npos)
+      << r.err;
+  r = run_program(common("adamw", 2) + " --output-dir \"\" --nproc-per-node 0", d.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--nproc-per-node"), std::string::npos) << r.err;
+}
+
+}  // namespace
+
+namespace {
+
+// Two ranks started by hand (the multi-machine way); rank 1 is killed once training runs.
+TEST(TrainerDistributed, ARankKilledMidRunStopsTheOtherWithOneLine) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  const std::string trainer = std::string(FUSEBOX_BIN_DIR) + "/trainer";
+  const std::string args = common("adamw", 1000000) + " --output-dir out --log-every 1";
+  // $1: the trainer command line. Rank 1 runs without a time limit only until it is killed.
+  const std::string script = d.write("kill.sh", R"sh(cd "$(dirname "$0")"
+export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + $$ % 20000))
+RANK=1 $1 >r1.out 2>r1.err & p1=$!
+RANK=0 timeout -k 5 120 $1 >r0.out 2>r0.err & p0=$!
+for i in $(seq 600); do grep -q "step 3/" r0.out 2>/dev/null && break; sleep 0.1; done
+kill -9 $p1
+start=$(date +%s)
+wait $p0
+echo $? >code0
+echo $(( $(date +%s) - start )) >seconds
+kill -9 $p0 2>/dev/null
+true
+)sh");
+  ASSERT_EQ(std::system(("bash " + script + " '" + trainer + " " + args + "'").c_str()), 0);
+  EXPECT_EQ(read_text(d.file("code0")), "3\n") << read_text(d.file("r0.err"));
+  EXPECT_LT(std::stoi(read_text(d.file("seconds"))), 60);
+  const std::string err = read_text(d.file("r0.err"));
+  EXPECT_EQ(count_lines(err), 1) << err;
+  EXPECT_NE(err.find("trainer: error: rank 0: training failed at step"), std::string::npos) << err;
+  EXPECT_NE(err.find("another rank probably exited or hung"), std::string::npos) << err;
+}
+
+}  // namespace
