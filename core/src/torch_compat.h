@@ -16,6 +16,7 @@
 // weakly by the parameter: the hook object keeps it alive, or the hook would be lost.
 #pragma once
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -133,6 +134,39 @@ inline void reset_cuda_peak() {
 #if defined(FUSEBOX_WITH_CUDA)
   with_cuda_allocator(
       [](c10::DeviceIndex device) { c10::cuda::CUDACachingAllocator::resetPeakStats(device); });
+#endif
+}
+
+/// Autocast state per device type: 2.4 replaced the CPU/GPU-specific calls with ones taking the
+/// device type (the old ones are deprecated there).
+inline bool autocast_enabled(c10::DeviceType d) {
+#if FUSEBOX_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(d);
+#else
+  return d == c10::kCPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+#endif
+}
+inline void set_autocast_enabled(c10::DeviceType d, bool on) {
+#if FUSEBOX_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(d, on);
+#else
+  d == c10::kCPU ? at::autocast::set_cpu_enabled(on) : at::autocast::set_enabled(on);
+#endif
+}
+inline at::ScalarType autocast_dtype(c10::DeviceType d) {
+#if FUSEBOX_TORCH_AT_LEAST(2, 4)
+  return at::autocast::get_autocast_dtype(d);
+#else
+  return d == c10::kCPU ? at::autocast::get_autocast_cpu_dtype()
+                        : at::autocast::get_autocast_gpu_dtype();
+#endif
+}
+inline void set_autocast_dtype(c10::DeviceType d, at::ScalarType t) {
+#if FUSEBOX_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_dtype(d, t);
+#else
+  d == c10::kCPU ? at::autocast::set_autocast_cpu_dtype(t)
+                 : at::autocast::set_autocast_gpu_dtype(t);
 #endif
 }
 

@@ -74,6 +74,18 @@ TEST(TrainerDistributed, TwoRanksTrainLikeOneProcessInEveryMode) {
   }
 }
 
+TEST(TrainerDistributed, ThreeRanksWithShardedStateTrainLikeOneProcess) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  const std::string base = common("adamw", 4) + " --train-batch-size 6";
+  Result one = train(d, "one", base);
+  ASSERT_EQ(one.code, 0) << one.err;
+  Result three = train(d, "three",
+                       base + " --nproc-per-node 3 --fused-backward-pass --shard-optimizer-state");
+  ASSERT_EQ(three.code, 0) << three.err;
+  EXPECT_LT(max_diff(weights(d, "three"), weights(d, "one")), 1e-10);
+}
+
 TEST(TrainerDistributed, ShardedCheckpointResumesWithAnotherWorldSize) {
   if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
   TempDir d;

@@ -8,13 +8,13 @@
 
 #include "checkpoint.h"
 #include "data.h"
+#include "fusebox/core/autocast.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/memory_accounting.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/step_mode.h"
 #include "model.h"
-#include "precision.h"
 
 namespace fusebox::trainer {
 
@@ -234,7 +234,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   try {
     for (step = first_step + 1; step <= c.max_train_steps; ++step) {
       const Clock::time_point t0 = Clock::now();
-      if (device.is_cpu()) memory::reset_peak();
+      memory::reset_peak();  // the CPU counter, and the CUDA allocator's peak on CUDA
       double loss_sum = 0;
       bool bad_loss = false;  // --on-non-finite skip: this step's update is dropped
       for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
