@@ -8,6 +8,10 @@
 // runs a "peer": the same model with one torch::optim::Adam per parameter stepped from the same
 // kind of hook, as PyTorch's optimizer-in-backward tutorial does. Writes memory_bench.md,
 // memory_bench.json and memory_bench.svg.
+//
+// Memory and time come from two passes. Memory: each mode alone, so nothing else is alive. Time:
+// all modes of one model and plugin side by side, one step of each in turn per round, so that a
+// shared machine's drift affects every mode alike; ratios are medians of same-round ratios.
 #include <ATen/ATen.h>
 #include <torch/optim/adam.h>
 
@@ -77,7 +81,7 @@ struct ChainModel {
 struct Row {
   std::string model, plugin, mode;
   int64_t params = 0, grad_bytes = 0, peak = 0, lower = 0, weights = 0, state = 0, activations = 0;
-  double ms = 0, ms_ratio = 1, saving = 0;
+  double ms = 0, ms_ratio = 1, ratio_q1 = 1, ratio_q3 = 1, saving = 0;
 };
 
 int64_t state_bytes(const std::vector<std::shared_ptr<Optimizer>>& opts) {
@@ -94,109 +98,153 @@ double median(std::vector<double> v) {
 }
 
 struct ModeSpec {
-  std::string label, kind;
+  std::string label, kind;  // kind: normal, fused, groups, or peer
   int64_t groups = 0;
   SplitPolicy policy = SplitPolicy::Size;
   bool checks = true;  // non-finite check and grad-norm statistics (the defaults)
 };
 
-// Runs warm-up steps (state gets created), then `steps` measured steps.
-Row measure(const LoadedPlugin& plugin, const ChainModel& proto, const std::string& model_name,
-            const ModeSpec& spec, int steps) {
-  // Everything alive before this measurement (other models, the registry) is not counted.
-  const int64_t outside = mem::current_bytes();
-  ChainModel model = proto;
-  for (auto& w : model.weights) w = w.detach().clone().requires_grad_(true);
-  UserArgs args;
-  if (plugin.schema().find("lr") && plugin.info().name != "adafactor")
-    args["lr"] = UserArg{std::monostate{}, "1e-4", "bench"};
-  HyperParams hp = plugin.validate(args);
-  StepOptions o;
-  o.warn = [](const std::string&) {};
-  o.check_finite = o.track_grad_norm = spec.checks;
+// One mode (or the peer) on its own clone of the model, ready to train.
+struct Trial {
+  ChainModel model;
   std::unique_ptr<StepMode> mode;
-  if (spec.kind == "normal") mode = make_normal_step(plugin.create(model.groups(), hp), o);
-  if (spec.kind == "fused") mode = make_fused_backward(plugin.create(model.groups(), hp), o);
-  if (spec.kind == "groups")
-    mode = make_optimizer_groups(
-        model.groups(), spec.groups, spec.policy,
-        [&](std::vector<ParamGroup> g) { return plugin.create(std::move(g), hp); }, o);
-  int64_t largest_group = model.largest_bytes();
-  if (spec.kind == "groups") {
-    largest_group = 0;
-    for (auto& s : split_param_groups(model.groups(), spec.groups, spec.policy)) {
-      int64_t b = 0;
-      for (auto& p : s[0].params) b += p.numel() * p.element_size();
-      largest_group = std::max(largest_group, b);
-    }
+  // The peer: one torch::optim::Adam per parameter, stepped from a hook (PyTorch-tutorial style).
+  std::vector<std::unique_ptr<torch::optim::Adam>> peer_opts;
+  std::vector<std::unique_ptr<compat::GradReadyHook>> peer_hooks;
+  int64_t largest_group = 0;  // bytes of the largest group (groups), the largest tensor otherwise
+
+  explicit Trial(const ChainModel& proto) : model(proto) {
+    for (auto& w : model.weights) w = w.detach().clone().requires_grad_(true);
+    largest_group = model.largest_bytes();
   }
-  for (int s = 0; s < 2; ++s) {  // warm-up: optimizer state is allocated here
-    mode->backward(model.loss(s));
-    mode->step();
-  }
-  Row r;
-  r.model = model_name, r.plugin = plugin.info().name, r.mode = spec.label;
-  r.params = model.param_bytes() / 4;
-  r.grad_bytes = model.param_bytes();
-  r.weights = model.param_bytes();
-  r.state = state_bytes(mode->optimizers());
-  std::vector<double> times;
-  int64_t peak = 0, activations = 0;
-  for (int s = 0; s < steps; ++s) {
-    mem::reset_peak();
+  Trial(const Trial&) = delete;
+  Trial& operator=(const Trial&) = delete;
+
+  // One training step on input `s`; `activations` (optional) gets the bytes the forward pass added.
+  void run(int64_t s, int64_t* activations = nullptr) {
     const int64_t base = mem::current_bytes();
-    auto t0 = Clock::now();
-    at::Tensor loss = model.loss(s + 2);
-    activations = std::max(activations, mem::peak_bytes() - base);
+    at::Tensor loss = model.loss(s);
+    if (activations) *activations = std::max(*activations, mem::peak_bytes() - base);
+    if (!mode) {
+      loss.backward();  // the peer steps inside
+      return;
+    }
     mode->backward(loss);
     loss.reset();
     mode->step();
-    times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  // Wall-clock milliseconds of run(s).
+  double timed_run(int64_t s) {
+    auto t0 = Clock::now();
+    run(s);
+    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  }
+};
+
+std::unique_ptr<Trial> make_trial(const LoadedPlugin* plugin, const ChainModel& proto,
+                                  const ModeSpec& spec) {
+  auto t = std::make_unique<Trial>(proto);
+  if (spec.kind == "peer") {
+    for (auto& w : t->model.weights) {
+      t->peer_opts.push_back(std::make_unique<torch::optim::Adam>(
+          std::vector<at::Tensor>{w}, torch::optim::AdamOptions(1e-4).weight_decay(1e-2)));
+      torch::optim::Adam* opt = t->peer_opts.back().get();
+      at::Tensor p = w;
+      t->peer_hooks.push_back(std::make_unique<compat::GradReadyHook>(p, [opt, p]() mutable {
+        opt->step();
+        p.mutable_grad().reset();
+      }));
+    }
+    return t;
+  }
+  UserArgs args;
+  if (plugin->schema().find("lr") && plugin->info().name != "adafactor")
+    args["lr"] = UserArg{std::monostate{}, "1e-4", "bench"};
+  HyperParams hp = plugin->validate(args);
+  StepOptions o;
+  o.warn = [](const std::string&) {};
+  o.check_finite = o.track_grad_norm = spec.checks;
+  if (spec.kind == "normal") t->mode = make_normal_step(plugin->create(t->model.groups(), hp), o);
+  if (spec.kind == "fused") t->mode = make_fused_backward(plugin->create(t->model.groups(), hp), o);
+  if (spec.kind == "groups") {
+    t->mode = make_optimizer_groups(
+        t->model.groups(), spec.groups, spec.policy,
+        [&](std::vector<ParamGroup> g) { return plugin->create(std::move(g), hp); }, o);
+    t->largest_group = 0;
+    for (auto& s : split_param_groups(t->model.groups(), spec.groups, spec.policy)) {
+      int64_t b = 0;
+      for (auto& p : s[0].params) b += p.numel() * p.element_size();
+      t->largest_group = std::max(t->largest_group, b);
+    }
+  }
+  return t;
+}
+
+// Memory pass: one mode alone. Warm-up steps (state gets created), then `steps` measured steps.
+// The time per step is measured separately (time_pass).
+Row measure_memory(const LoadedPlugin* plugin, const ChainModel& proto,
+                   const std::string& model_name, const ModeSpec& spec, int steps) {
+  // Everything alive before this measurement (other models, the registry) is not counted.
+  const int64_t outside = mem::current_bytes();
+  std::unique_ptr<Trial> t = make_trial(plugin, proto, spec);
+  for (int s = 0; s < 2; ++s) t->run(s);  // warm-up: optimizer state is allocated here
+  Row r;
+  const bool peer = spec.kind == "peer";
+  r.model = model_name, r.mode = spec.label;
+  r.plugin = peer ? "torch::optim::Adam" : plugin->info().name;
+  r.params = t->model.param_bytes() / 4;
+  r.grad_bytes = r.weights = t->model.param_bytes();
+  r.state = peer ? 2 * t->model.param_bytes() : state_bytes(t->mode->optimizers());
+  int64_t peak = 0, activations = 0;
+  for (int s = 0; s < steps; ++s) {
+    mem::reset_peak();
+    t->run(s + 2, &activations);
     peak = std::max(peak, mem::peak_bytes());
   }
   r.peak = peak - outside;
   r.activations = activations;
-  r.ms = median(times);
-  const int64_t grads_alive = spec.kind == "normal"  ? r.grad_bytes
-                              : spec.kind == "fused" ? model.largest_bytes()
-                                                     : largest_group;
-  r.lower = r.weights + r.state + r.activations + grads_alive;
+  const int64_t grads_alive = spec.kind == "normal" ? r.grad_bytes : t->largest_group;
+  if (!peer) r.lower = r.weights + r.state + r.activations + grads_alive;
   return r;
 }
 
-// PyTorch-tutorial style: one torch::optim::Adam per parameter, stepped from a hook.
-Row measure_peer(const ChainModel& proto, const std::string& model_name, int steps) {
-  const int64_t outside = mem::current_bytes();
-  ChainModel model = proto;
-  for (auto& w : model.weights) w = w.detach().clone().requires_grad_(true);
-  std::vector<std::unique_ptr<torch::optim::Adam>> opts;
-  std::vector<std::unique_ptr<compat::GradReadyHook>> hooks;
-  for (auto& w : model.weights) {
-    opts.push_back(std::make_unique<torch::optim::Adam>(
-        std::vector<at::Tensor>{w}, torch::optim::AdamOptions(1e-4).weight_decay(1e-2)));
-    torch::optim::Adam* opt = opts.back().get();
-    at::Tensor p = w;
-    hooks.push_back(std::make_unique<compat::GradReadyHook>(p, [opt, p]() mutable {
-      opt->step();
-      p.mutable_grad().reset();
-    }));
+struct Timing {
+  std::vector<double> ms;      // per mode: median step time
+  std::vector<double> ratio;   // per mode: median over rounds of (time / reference's time)
+  std::vector<double> q1, q3;  // per mode: quartiles of the same ratios (their spread)
+};
+
+// Time pass: every mode on its own clone, all alive at once, warmed up 2 steps; then `rounds`
+// rounds, each running one step of every mode in turn, the starting mode rotating each round.
+// A mode's ratio is the median of its time over the time of mode `reference[m]` in the same
+// round, so drift of the machine during the run cancels out.
+Timing time_pass(const LoadedPlugin* plugin, const ChainModel& proto,
+                 const std::vector<ModeSpec>& specs, const std::vector<size_t>& reference,
+                 int rounds) {
+  std::vector<std::unique_ptr<Trial>> trials;
+  for (const ModeSpec& spec : specs) trials.push_back(make_trial(plugin, proto, spec));
+  for (auto& t : trials)
+    for (int s = 0; s < 2; ++s) t->run(s);
+  const size_t n = trials.size();
+  std::vector<std::vector<double>> times(n, std::vector<double>(static_cast<size_t>(rounds)));
+  for (int r = 0; r < rounds; ++r)
+    for (size_t j = 0; j < n; ++j) {
+      const size_t m = (static_cast<size_t>(r) + j) % n;
+      times[m][static_cast<size_t>(r)] = trials[m]->timed_run(r + 2);
+    }
+  Timing out;
+  for (size_t m = 0; m < n; ++m) {
+    std::vector<double> ratios;
+    for (int r = 0; r < rounds; ++r)
+      ratios.push_back(times[m][static_cast<size_t>(r)] /
+                       times[reference[m]][static_cast<size_t>(r)]);
+    out.ms.push_back(median(times[m]));
+    out.ratio.push_back(median(ratios));
+    std::sort(ratios.begin(), ratios.end());
+    out.q1.push_back(ratios[ratios.size() / 4]);
+    out.q3.push_back(ratios[(3 * ratios.size()) / 4]);
   }
-  for (int s = 0; s < 2; ++s) model.loss(s).backward();
-  Row r;
-  r.model = model_name, r.plugin = "torch::optim::Adam", r.mode = "peer (per-param hooks)";
-  r.params = model.param_bytes() / 4;
-  r.grad_bytes = r.weights = model.param_bytes();
-  r.state = 2 * model.param_bytes();
-  std::vector<double> times;
-  for (int s = 0; s < steps; ++s) {
-    mem::reset_peak();
-    auto t0 = Clock::now();
-    model.loss(s + 2).backward();
-    times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    r.peak = std::max(r.peak, mem::peak_bytes() - outside);
-  }
-  r.ms = median(times);
-  return r;
+  return out;
 }
 
 std::string mib(int64_t b) {
@@ -287,7 +335,8 @@ int main(int argc, char** argv) {
       modes.push_back({"groups " + std::to_string(n) + " size", "groups", n, SplitPolicy::Size});
       modes.push_back({"groups " + std::to_string(n) + " count", "groups", n, SplitPolicy::Count});
     }
-    const int steps = quick ? 3 : 5;
+    const int steps = quick ? 3 : 5;    // memory pass: measured steps per mode
+    const int rounds = quick ? 7 : 15;  // time pass: rounds of one step per mode
     std::vector<std::pair<std::string, ChainModel>> models;
     for (int64_t width :
          quick ? std::vector<int64_t>{256, 512} : std::vector<int64_t>{256, 512, 1024})
@@ -297,30 +346,51 @@ int main(int argc, char** argv) {
     std::vector<Row> rows;
     for (auto& [name, model] : models) {
       for (auto& plugin : plugins) {
-        double normal_ms = 0;
-        int64_t normal_peak = 0;
-        for (const ModeSpec& m : modes) {
-          Row r = measure(*plugin, model, name, m, steps);
-          if (m.kind == "normal") normal_ms = r.ms, normal_peak = r.peak;
-          r.ms_ratio = r.ms / normal_ms;
-          r.saving = static_cast<double>(normal_peak - r.peak) / static_cast<double>(r.grad_bytes);
+        std::vector<ModeSpec> specs = modes;
+        // Every mode's time is compared with normal's; the peer's with fused without checks
+        // (like for like: the peer does no checks either).
+        std::vector<size_t> reference(specs.size(), 0);
+        if (plugin->info().name == "adamw") {
+          specs.push_back({"peer (per-param hooks)", "peer"});
+          reference.push_back(2);
+        }
+        const size_t first = rows.size();
+        for (const ModeSpec& m : specs) {
+          Row r = measure_memory(plugin.get(), model, name, m, steps);
+          // The first mode is normal: its peak is the reference.
+          const int64_t normal_peak = rows.size() > first ? rows[first].peak : r.peak;
+          r.saving = static_cast<double>(normal_peak - r.peak) / r.grad_bytes;
           rows.push_back(r);
           std::cerr << name << " " << r.plugin << " " << r.mode << ": peak " << mib(r.peak)
-                    << " MiB, " << fixed(r.ms, 1) << " ms\n";
+                    << " MiB\n";
         }
-        if (plugin->info().name == "adamw") {
-          Row peer = measure_peer(model, name, steps);
-          // Like for like: against fusebox fused without the checks the peer does not do.
-          peer.ms_ratio = peer.ms / rows[rows.size() - modes.size() + 2].ms;
-          peer.saving = static_cast<double>(normal_peak - peer.peak) / peer.grad_bytes;
-          rows.push_back(peer);
+        const auto t0 = Clock::now();
+        Timing timing = time_pass(plugin.get(), model, specs, reference, rounds);
+        for (size_t m = 0; m < specs.size(); ++m) {
+          rows[first + m].ms = timing.ms[m];
+          rows[first + m].ms_ratio = timing.ratio[m];
+          rows[first + m].ratio_q1 = timing.q1[m];
+          rows[first + m].ratio_q3 = timing.q3[m];
         }
+        std::cerr << name << " " << plugin->info().name << ": time pass "
+                  << fixed(std::chrono::duration<double>(Clock::now() - t0).count(), 1)
+                  << " s; normal " << fixed(timing.ms[0], 1) << " ms, fused "
+                  << fixed(timing.ratio[1]) << "x\n";
       }
     }
 
     std::ostringstream md, json;
+    md << "Peak memory: each mode alone, " << steps
+       << " measured steps after 2 warm-up steps. Time: a separate interleaved pass per model and "
+          "plugin, every mode on its own clone of the model, warmed up 2 steps, then "
+       << rounds
+       << " rounds of one step of every mode in turn (the first mode rotating each round); "
+          "ms/step = median step time, time vs normal = median over rounds of the step time over "
+          "normal's in the same round (the peer: over fused, no checks), with the quartiles of "
+          "those per-round ratios to show the spread.\n\n";
     md << "| model | plugin | mode | peak MiB | lower bound MiB | peak/bound | saving vs normal "
-          "(share of grads) | ms/step | time vs normal |\n|---|---|---|---|---|---|---|---|---|\n";
+          "(share of grads) | ms/step | time vs normal | its quartiles over rounds "
+          "|\n|---|---|---|---|---|---|---|---|---|---|\n";
     json << "[\n";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
@@ -329,14 +399,17 @@ int main(int argc, char** argv) {
          << (peer ? "-" : mib(r.lower)) << " | "
          << (peer ? "-" : fixed(static_cast<double>(r.peak) / r.lower)) << " | "
          << fixed(100 * r.saving, 0) << "% | " << fixed(r.ms, 1) << " | " << fixed(r.ms_ratio)
-         << (peer ? " (vs fused, no checks)" : "") << " |\n";
+         << (peer ? " (vs fused, no checks)" : "") << " | " << fixed(r.ratio_q1) << "-"
+         << fixed(r.ratio_q3) << " |\n";
       json << "  {\"model\": \"" << r.model << "\", \"plugin\": \"" << r.plugin
            << "\", \"mode\": \"" << r.mode << "\", \"params\": " << r.params
            << ", \"peak_bytes\": " << r.peak << ", \"lower_bound_bytes\": " << r.lower
            << ", \"weights_bytes\": " << r.weights << ", \"state_bytes\": " << r.state
            << ", \"activation_bytes\": " << r.activations << ", \"grad_bytes\": " << r.grad_bytes
            << ", \"saving_share_of_grads\": " << r.saving << ", \"ms_per_step\": " << r.ms
-           << ", \"time_ratio\": " << r.ms_ratio << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+           << ", \"time_ratio\": " << r.ms_ratio << ", \"time_ratio_q1\": " << r.ratio_q1
+           << ", \"time_ratio_q3\": " << r.ratio_q3 << "}" << (i + 1 < rows.size() ? "," : "")
+           << "\n";
     }
     json << "]\n";
     std::ofstream(out + "/memory_bench.md") << md.str();
