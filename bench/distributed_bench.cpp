@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/core/distributed.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/plugin_registry.h"
@@ -594,8 +595,8 @@ int parent_main(bool quick, const std::string& out) {
        << pair(".overlap.state_bytes") << " | " << pair(".sharded.state_bytes") << " | "
        << share("0") << " / " << share("1") << " |\n";
   }
-  std::ofstream(out + "/distributed_bench.md") << md.str();
-  std::ofstream(out + "/distributed_bench.json") << json.str();
+  fusebox::write_file_atomically(out + "/distributed_bench.md", md.str());
+  fusebox::write_file_atomically(out + "/distributed_bench.json", json.str());
   std::cout << md.str() << "\nwrote " << out << "/distributed_bench.{md,json}\n";
   return 0;
 }
@@ -620,6 +621,15 @@ int main(int argc, char** argv) {
       threads = std::atoi(argv[++i]);
     else {
       std::cerr << "usage: distributed_bench [--quick] [--out DIR]\n";
+      return 2;
+    }
+  }
+  if (!worker) {
+    std::error_code ec;  // results go to DIR: make it now, not after minutes of measuring
+    std::filesystem::create_directories(out, ec);
+    if (ec) {
+      std::cerr << "distributed_bench: error: cannot create --out folder " << out << ": "
+                << ec.message() << "\n";
       return 2;
     }
   }

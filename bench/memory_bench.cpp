@@ -20,12 +20,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <sstream>
 
 #include "../core/src/torch_compat.h"
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
@@ -296,7 +298,7 @@ void write_svg(const std::vector<Row>& rows, const std::string& path) {
     legend_y += 14, ++c;
   }
   svg << "</svg>\n";
-  std::ofstream(path) << svg.str();
+  fusebox::write_file_atomically(path, svg.str());
 }
 
 }  // namespace
@@ -312,6 +314,15 @@ int main(int argc, char** argv) {
       out = argv[++i];
     else {
       std::cerr << "usage: memory_bench [--quick] [--out DIR]\n";
+      return 2;
+    }
+  }
+  {
+    std::error_code ec;  // results go to DIR: make it now, not after minutes of measuring
+    std::filesystem::create_directories(out, ec);
+    if (ec) {
+      std::cerr << "memory_bench: error: cannot create --out folder " << out << ": " << ec.message()
+                << "\n";
       return 2;
     }
   }
@@ -412,8 +423,8 @@ int main(int argc, char** argv) {
            << "\n";
     }
     json << "]\n";
-    std::ofstream(out + "/memory_bench.md") << md.str();
-    std::ofstream(out + "/memory_bench.json") << json.str();
+    fusebox::write_file_atomically(out + "/memory_bench.md", md.str());
+    fusebox::write_file_atomically(out + "/memory_bench.json", json.str());
     write_svg(rows, out + "/memory_bench.svg");
     std::cout << md.str();
     std::cout << "\nwrote " << out << "/memory_bench.{md,json,svg}\n";

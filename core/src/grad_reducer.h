@@ -24,6 +24,8 @@ class GradReducer {
   /// Launches whatever is queued as one bucket.
   void launch();
   /// Indices whose averages have finished, in launch order; with `wait`, all launched ones.
+  /// Also waits for the oldest buckets while more than two buckets' bytes are in flight, so the
+  /// gradients held for averaging stay bounded when the network is slower than backward.
   std::vector<size_t> completed(bool wait);
   /// After a failure: lets in-flight operations finish (ignoring their errors) and forgets all.
   void abandon();
@@ -32,12 +34,15 @@ class GradReducer {
   struct Bucket {
     std::vector<size_t> indices;
     std::unique_ptr<Communicator::Pending> pending;
+    int64_t bytes = 0;
   };
   std::shared_ptr<Communicator> comm_;
   int64_t bucket_bytes_;
   std::vector<size_t> queued_;
   std::vector<at::Tensor> queued_grads_;
   int64_t queued_bytes_ = 0;
+  int64_t in_flight_bytes_ = 0;
+  bool first_of_pass_ = true;  // the first bucket of a backward pass is small (starts early)
   std::deque<Bucket> in_flight_;
 };
 
