@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "chain_model.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/distributed.h"
 #include "fusebox/core/memory_tracker.h"
@@ -61,48 +62,13 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+using bench::ChainModel;
+
 constexpr int64_t kDepth = 24, kWidth = 1024, kGlobalBatch = 32, kGroups = 4;
 
-// A chain of linear layers with GELU, like memory_bench's uniform model. Each rank takes its
-// contiguous share of the global batch's rows; the loss is the mean over its rows, so the average
-// over ranks of the gradients equals the one-process gradient.
-struct ChainModel {
-  std::vector<at::Tensor> weights;
-  std::vector<std::string> names;
-  ChainModel() {
-    at::manual_seed(0);
-    for (int64_t i = 0; i < kDepth; ++i) {
-      weights.push_back((at::randn({kWidth, kWidth}) / std::sqrt(static_cast<double>(kWidth)))
-                            .requires_grad_(true));
-      names.push_back("layer" + std::to_string(i) + ".weight");
-    }
-  }
-  ChainModel clone() const {
-    ChainModel m = *this;
-    for (auto& w : m.weights) w = w.detach().clone().requires_grad_(true);
-    return m;
-  }
-  int64_t bytes() const {
-    int64_t b = 0;
-    for (auto& w : weights) b += w.numel() * w.element_size();
-    return b;
-  }
-  at::Tensor loss(int64_t step, int rank, int world) const {
-    const int64_t rows = kGlobalBatch / world;
-    at::Tensor x = at::sin(at::arange(kGlobalBatch * kWidth, at::kFloat) * (0.01 + step))
-                       .reshape({kGlobalBatch, kWidth})
-                       .narrow(0, rank * rows, rows);
-    for (auto& w : weights) x = at::gelu(at::matmul(x, w));
-    return x.square().mean();
-  }
-  std::vector<ParamGroup> groups() const {
-    ParamGroup g;
-    g.params = weights;
-    g.names = names;
-    g.lr = 1e-4;
-    return {g};
-  }
-};
+// The uniform chain (see chain_model.h): each rank takes its contiguous share of the global
+// batch's rows.
+ChainModel make_model() { return ChainModel(kWidth, kDepth, kGlobalBatch, false); }
 
 double median(std::vector<double> v) {
   if (v.empty()) return std::nan("");
@@ -165,8 +131,7 @@ struct Trial {
 std::unique_ptr<Trial> make_trial(const LoadedPlugin& plugin, const HyperParams& hp,
                                   const ChainModel& proto, const Config& c,
                                   const std::shared_ptr<Communicator>& comm) {
-  auto t = std::make_unique<Trial>();
-  t->model = proto.clone();
+  auto t = std::make_unique<Trial>(Trial{proto.clone(), nullptr});
   StepOptions o;
   o.warn = [](const std::string&) {};
   o.comm = comm;
@@ -188,7 +153,8 @@ std::unique_ptr<Trial> make_trial(const LoadedPlugin& plugin, const HyperParams&
 }
 
 void train_step(Trial& t, int64_t step, int rank, int world) {
-  at::Tensor loss = t.model.loss(step, rank, world);
+  const int64_t rows = kGlobalBatch / world;
+  at::Tensor loss = t.model.loss(step, rank * rows, rows);
   t.step_mode->backward(loss);
   loss.reset();
   t.step_mode->step();
@@ -237,7 +203,7 @@ int worker_main(bool quick, const std::string& result_path, int threads) {
   UserArgs args;
   args["lr"] = UserArg{std::monostate{}, "1e-4", "bench"};
   const HyperParams hp = plugin->validate(args);
-  const ChainModel proto;
+  const ChainModel proto = make_model();
 
   std::vector<Config> configs;
   for (const std::string m : {"normal", "fused", "groups"}) {
@@ -332,7 +298,7 @@ int worker_main(bool quick, const std::string& result_path, int threads) {
   out["rounds"] = rounds;
   out["threads"] = threads;
   out["world"] = world;
-  out["param_bytes"] = static_cast<double>(proto.bytes());
+  out["param_bytes"] = static_cast<double>(proto.param_bytes());
 
   trials.clear();
   if (comm) comm->barrier();
@@ -351,22 +317,6 @@ int worker_main(bool quick, const std::string& result_path, int threads) {
 
 // ---------------------------------------------------------------------------------------------
 // Parent side.
-
-int free_port() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (s < 0) throw Error("socket() failed");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ::close(s);
-    throw Error("cannot find a free port on 127.0.0.1");
-  }
-  ::close(s);
-  return ntohs(a.sin_port);
-}
 
 std::string self_exe() {
   std::error_code ec;
@@ -388,7 +338,7 @@ std::map<std::string, double> run_world(int world, int threads, bool quick, cons
                                         double seconds) {
   const std::string tag = "w" + std::to_string(world) + "t" + std::to_string(threads);
   const std::string result = (dir / (tag + ".result")).string();
-  const int port = free_port();
+  const int port = free_local_port();
   const std::string exe = self_exe();
   std::vector<pid_t> pids;
   std::vector<std::string> logs;

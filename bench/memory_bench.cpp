@@ -27,6 +27,7 @@
 #include <sstream>
 
 #include "../core/src/torch_compat.h"
+#include "chain_model.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/plugin_registry.h"
@@ -38,47 +39,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// A chain of linear layers: many parameter tensors of similar size (the fused case), or a few
-// large tensors at the front followed by many small ones (where splitting by count is unfair).
-struct ChainModel {
-  std::vector<at::Tensor> weights;
-  std::vector<std::string> names;
-  int64_t batch;
-  ChainModel(int64_t width, int64_t depth, int64_t batch_size, bool uneven) : batch(batch_size) {
-    at::manual_seed(0);
-    std::vector<int64_t> dims(static_cast<size_t>(depth + 1), width);
-    if (uneven) dims[1] = dims[2] = dims[3] = 4 * width;  // layers 0-3: 4x/16x/16x/4x
-    for (int64_t i = 0; i < depth; ++i) {
-      const int64_t in = dims[static_cast<size_t>(i)], out = dims[static_cast<size_t>(i + 1)];
-      weights.push_back(
-          (at::randn({in, out}) / std::sqrt(static_cast<double>(in))).requires_grad_(true));
-      names.push_back("layer" + std::to_string(i) + ".weight");
-    }
-  }
-  int64_t param_bytes() const {
-    int64_t b = 0;
-    for (auto& w : weights) b += w.numel() * w.element_size();
-    return b;
-  }
-  int64_t largest_bytes() const {
-    int64_t b = 0;
-    for (auto& w : weights) b = std::max<int64_t>(b, w.numel() * w.element_size());
-    return b;
-  }
-  at::Tensor loss(int64_t step) const {
-    at::Tensor x = at::sin(at::arange(batch * weights[0].size(0), at::kFloat) * (0.01 + step))
-                       .reshape({batch, weights[0].size(0)});
-    for (auto& w : weights) x = at::gelu(at::matmul(x, w));
-    return x.square().mean();
-  }
-  std::vector<ParamGroup> groups() const {
-    ParamGroup g;
-    g.params = weights;
-    g.names = names;
-    g.lr = 1e-4;
-    return {g};
-  }
-};
+using bench::ChainModel;
 
 struct Row {
   std::string model, plugin, mode;
@@ -115,8 +76,7 @@ struct Trial {
   std::vector<std::unique_ptr<compat::GradReadyHook>> peer_hooks;
   int64_t largest_group = 0;  // bytes of the largest group (groups), the largest tensor otherwise
 
-  explicit Trial(const ChainModel& proto) : model(proto) {
-    for (auto& w : model.weights) w = w.detach().clone().requires_grad_(true);
+  explicit Trial(const ChainModel& proto) : model(proto.clone()) {
     largest_group = model.largest_bytes();
   }
   Trial(const Trial&) = delete;

@@ -3,6 +3,10 @@
 #include "fusebox/core/distributed.h"
 
 #include <ATen/ATen.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -55,6 +59,20 @@ DistributedConfig distributed_config_from_env() {
   c.master_port = static_cast<int>(env_int("MASTER_PORT", 29500, 1, 65535));
   c.local_world_size = static_cast<int>(env_int("LOCAL_WORLD_SIZE", c.world_size, 1, c.world_size));
   return c;
+}
+
+int free_local_port() {
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (s < 0) throw Error("cannot open a socket to pick a free port");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(s);
+  if (!ok) throw Error("cannot find a free port on 127.0.0.1; set MASTER_PORT");
+  return ntohs(a.sin_port);
 }
 
 void broadcast_parameters(Communicator& comm, const std::vector<at::Tensor>& params, int root) {

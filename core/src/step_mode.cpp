@@ -87,9 +87,9 @@ class NormalStep final : public StepMode {
         params_.push_back(optimizers_[0]->group(g).params[i]);
         names_.push_back(optimizers_[0]->group(g).names[i]);
       }
+    sharding_ = detail::StateSharding(options_, params_);
     // Data parallel: each gradient joins a bucket the moment it is accumulated, so averaging
     // overlaps the rest of backward.
-    sharding_ = detail::StateSharding(options_, params_);
     if (reducer_.active())
       for (size_t i = 0; i < params_.size(); ++i)
         hooks_.push_back(std::make_unique<compat::GradReadyHook>(
@@ -127,10 +127,7 @@ class NormalStep final : public StepMode {
       if (want_norms) norms.push_back(params_[i].grad().norm());
     }
     if (norms.empty()) {
-      sharding_.drop_foreign_grads(params_, 0, params_.size());
-      opt.step();
-      opt.zero_grad(true);
-      sharding_.broadcast(params_);
+      update(opt);
       stats.params_stepped = static_cast<int64_t>(with_grad.size());
       return stats;
     }
@@ -165,10 +162,7 @@ class NormalStep final : public StepMode {
     }
     stats.grad_norm = total.item<double>();
     stats.params_stepped = static_cast<int64_t>(with_grad.size());
-    sharding_.drop_foreign_grads(params_, 0, params_.size());
-    opt.step();
-    opt.zero_grad(true);
-    sharding_.broadcast(params_);
+    update(opt);
     return stats;
   }
 
@@ -176,6 +170,14 @@ class NormalStep final : public StepMode {
   std::string name() const override { return "normal"; }
 
  private:
+  // Steps (this rank's share of) the parameters, frees every gradient, shares the results.
+  void update(Optimizer& opt) {
+    sharding_.drop_foreign_grads(params_, 0, params_.size());
+    opt.step();
+    opt.zero_grad(true);
+    sharding_.broadcast(params_);
+  }
+
   StepOptions options_;
   std::vector<std::shared_ptr<Optimizer>> optimizers_;
   std::vector<at::Tensor> params_;

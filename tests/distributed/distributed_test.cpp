@@ -29,19 +29,6 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-// A port nobody listens on right now (the kernel's choice for an ephemeral bind).
-int free_port() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(s);
-  return ntohs(a.sin_port);
-}
-
 std::string read_text(const std::string& path) {
   std::ifstream in(path);
   std::ostringstream s;
@@ -141,7 +128,7 @@ std::vector<double> read_params(const std::string& path) {
 // Runs `world` ranks with `args`; returns rank 0's parameters (checking every rank agrees).
 std::vector<double> run_world(int world, std::vector<std::string> args) {
   Dir d;
-  const int port = free_port();
+  const int port = fusebox::free_local_port();
   std::vector<Proc> procs;
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> a = args;
@@ -210,7 +197,7 @@ TEST(Distributed, ShardedOptimizerStateGivesTheSameWeightsAsUnsharded) {
 
 TEST(Distributed, ARankThatDiesMakesTheOthersFailWithAClearError) {
   Dir d;
-  const int port = free_port();
+  const int port = fusebox::free_local_port();
   const std::vector<std::string> a{"--mode",         "fused", "--steps",      "50",
                                    "--exit-at-step", "2",     "--timeout-ms", "60000"};
   Proc p0 = start(a, rank_env(0, 2, port), d.file("log0"));
@@ -227,7 +214,7 @@ TEST(Distributed, ARankThatDiesMakesTheOthersFailWithAClearError) {
 
 TEST(Distributed, ARankThatHangsMakesTheOthersFailAfterTheTimeout) {
   Dir d;
-  const int port = free_port();
+  const int port = fusebox::free_local_port();
   const std::vector<std::string> a{"--mode",         "normal", "--steps",      "50",
                                    "--hang-at-step", "2",      "--timeout-ms", "3000"};
   Proc p0 = start(a, rank_env(0, 2, port), d.file("log0"));
@@ -244,7 +231,8 @@ TEST(Distributed, ARankThatHangsMakesTheOthersFailAfterTheTimeout) {
 
 TEST(Distributed, AMissingRankZeroIsAClearRendezvousError) {
   Dir d;
-  Proc p1 = start({"--timeout-ms", "2000"}, rank_env(1, 2, free_port()), d.file("log1"));
+  Proc p1 =
+      start({"--timeout-ms", "2000"}, rank_env(1, 2, fusebox::free_local_port()), d.file("log1"));
   EXPECT_EQ(finish(p1, 60), 1);
   const std::string log = read_text(p1.log);
   EXPECT_NE(log.find("could not join the rendezvous at MASTER_ADDR=127.0.0.1"), std::string::npos)

@@ -1,10 +1,7 @@
 #include "launch.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +12,7 @@
 #include <map>
 #include <thread>
 
+#include "fusebox/core/distributed.h"
 #include "fusebox/error.h"
 
 extern char** environ;
@@ -37,21 +35,6 @@ std::vector<pid_t>& children() {
 void forward_signal(int sig) {
   for (pid_t p : children())
     if (p > 0) ::kill(p, sig);
-}
-
-// A port free on this machine now (the kernel's pick for an ephemeral bind on loopback).
-int free_port() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (s < 0) throw Error("--nproc-per-node: cannot open a socket to pick MASTER_PORT");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  const bool ok = ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  ::close(s);
-  if (!ok) throw Error("--nproc-per-node: cannot pick a free MASTER_PORT; set MASTER_PORT");
-  return ntohs(a.sin_port);
 }
 
 }  // namespace
@@ -79,7 +62,13 @@ int launch_local_ranks(const std::vector<std::string>& args, int64_t nproc, doub
     env[kv.substr(0, eq)] = eq == std::string::npos ? "" : kv.substr(eq + 1);
   }
   if (!env.count("MASTER_ADDR")) env["MASTER_ADDR"] = "127.0.0.1";
-  if (!env.count("MASTER_PORT")) env["MASTER_PORT"] = std::to_string(free_port());
+  if (!env.count("MASTER_PORT")) {
+    try {
+      env["MASTER_PORT"] = std::to_string(free_local_port());
+    } catch (const Error& e) {
+      throw Error(std::string("--nproc-per-node: ") + e.what());
+    }
+  }
   env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = std::to_string(nproc);
 
   std::vector<std::string> argv_s{program_path()};

@@ -79,6 +79,10 @@ void broadcast_parameters(Communicator& comm, const std::vector<at::Tensor>& par
 /// Every rank's `mine`, indexed by rank, on every rank (sizes may differ); blocks.
 std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string& mine);
 
+/// A TCP port free on 127.0.0.1 right now (the kernel's pick), e.g. for MASTER_PORT of a job on
+/// one machine. Throws Error when no socket can be bound.
+int free_local_port();
+
 /// True when this build of fusebox has c10d (Gloo) support.
 bool distributed_available();
 
