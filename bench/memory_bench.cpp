@@ -25,6 +25,7 @@
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "../core/src/torch_compat.h"
 #include "chain_model.h"
@@ -32,6 +33,7 @@
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
+#include "fusebox/core/threads.h"
 
 using namespace fusebox;
 namespace mem = fusebox::memory;
@@ -45,6 +47,8 @@ struct Row {
   std::string model, plugin, mode;
   int64_t params = 0, grad_bytes = 0, peak = 0, lower = 0, weights = 0, state = 0, activations = 0;
   double ms = 0, ms_ratio = 1, ratio_q1 = 1, ratio_q3 = 1, saving = 0;
+  int rounds = 0;             // time pass: rounds run
+  int threads = 1, blas = 1;  // LibTorch intra-op threads, OpenBLAS threads
 };
 
 int64_t state_bytes(const std::vector<std::shared_ptr<Optimizer>>& opts) {
@@ -176,24 +180,36 @@ struct Timing {
   std::vector<double> q1, q3;  // per mode: quartiles of the same ratios (their spread)
 };
 
-// Time pass: every mode on its own clone, all alive at once, warmed up 2 steps; then `rounds`
-// rounds, each running one step of every mode in turn, the starting mode rotating each round.
-// A mode's ratio is the median of its time over the time of mode `reference[m]` in the same
-// round, so drift of the machine during the run cancels out.
+// How many rounds a time pass runs: at least `min_rounds`, then more until `budget_s` seconds
+// have passed (small models take many rounds, so their medians settle), at most `max_rounds`.
+struct RoundPlan {
+  int min_rounds = 15, max_rounds = 200;
+  double budget_s = 5;
+};
+
+// Time pass: every mode on its own clone, all alive at once, warmed up 2 steps; then rounds,
+// each running one step of every mode in turn, the starting mode rotating each round. A mode's
+// ratio is the median of its time over the time of mode `reference[m]` in the same round, so
+// drift of the machine during the run cancels out.
 Timing time_pass(const LoadedPlugin* plugin, const ChainModel& proto,
                  const std::vector<ModeSpec>& specs, const std::vector<size_t>& reference,
-                 int rounds) {
+                 const RoundPlan& plan, int* rounds_run) {
   std::vector<std::unique_ptr<Trial>> trials;
   for (const ModeSpec& spec : specs) trials.push_back(make_trial(plugin, proto, spec));
   for (auto& t : trials)
     for (int s = 0; s < 2; ++s) t->run(s);
   const size_t n = trials.size();
-  std::vector<std::vector<double>> times(n, std::vector<double>(static_cast<size_t>(rounds)));
-  for (int r = 0; r < rounds; ++r)
+  std::vector<std::vector<double>> times(n);
+  const auto start = Clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  int rounds = 0;
+  for (; rounds < plan.max_rounds && (rounds < plan.min_rounds || elapsed() < plan.budget_s);
+       ++rounds)
     for (size_t j = 0; j < n; ++j) {
-      const size_t m = (static_cast<size_t>(r) + j) % n;
-      times[m][static_cast<size_t>(r)] = trials[m]->timed_run(r + 2);
+      const size_t m = (static_cast<size_t>(rounds) + j) % n;
+      times[m].push_back(trials[m]->timed_run(rounds + 2));
     }
+  *rounds_run = rounds;
   Timing out;
   for (size_t m = 0; m < n; ++m) {
     std::vector<double> ratios;
@@ -265,17 +281,38 @@ void write_svg(const std::vector<Row>& rows, const std::string& path) {
 
 int main(int argc, char** argv) {
   bool quick = false;
-  std::string out = ".";
+  std::string out = ".", only_model, only_plugin;
+  int rounds_arg = 0;
+  int threads = 1;  // LibTorch's default on Debian
+
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int blas_threads = cores;  // OpenBLAS's own default
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--quick")
       quick = true;
     else if (a == "--out" && i + 1 < argc)
       out = argv[++i];
+    else if (a == "--model" && i + 1 < argc)
+      only_model = argv[++i];
+    else if (a == "--plugin" && i + 1 < argc)
+      only_plugin = argv[++i];
+    else if (a == "--rounds" && i + 1 < argc)
+      rounds_arg = std::atoi(argv[++i]);
+    else if (a == "--threads" && i + 1 < argc)
+      threads = std::atoi(argv[++i]);
+    else if (a == "--blas-threads" && i + 1 < argc)
+      blas_threads = std::atoi(argv[++i]);
     else {
-      std::cerr << "usage: memory_bench [--quick] [--out DIR]\n";
+      std::cerr << "usage: memory_bench [--quick] [--out DIR] [--model SUBSTRING] [--plugin NAME] "
+                   "[--rounds N] [--threads N] [--blas-threads N]\n";
       return 2;
     }
+  }
+  if (threads < 1 || blas_threads < 1 || rounds_arg < 0) {
+    std::cerr << "memory_bench: error: --threads and --blas-threads must be at least 1, --rounds "
+                 "at least 0\n";
+    return 2;
   }
   {
     std::error_code ec;  // results go to DIR: make it now, not after minutes of measuring
@@ -306,8 +343,15 @@ int main(int argc, char** argv) {
       modes.push_back({"groups " + std::to_string(n) + " size", "groups", n, SplitPolicy::Size});
       modes.push_back({"groups " + std::to_string(n) + " count", "groups", n, SplitPolicy::Count});
     }
-    const int steps = quick ? 3 : 5;    // memory pass: measured steps per mode
-    const int rounds = quick ? 7 : 15;  // time pass: rounds of one step per mode
+    const int steps = quick ? 3 : 5;  // memory pass: measured steps per mode
+    // Time pass: a fixed number of rounds with --rounds, else at least 15 (7 with --quick) and
+    // more until 5 s (2 s) have passed.
+    RoundPlan plan;
+    if (rounds_arg > 0)
+      plan = RoundPlan{rounds_arg, rounds_arg, 0};
+    else if (quick)
+      plan = RoundPlan{7, 100, 2};
+    const ComputeThreads main_threads = set_compute_threads(threads, blas_threads);
     std::vector<std::pair<std::string, ChainModel>> models;
     for (int64_t width :
          quick ? std::vector<int64_t>{256, 512} : std::vector<int64_t>{256, 512, 1024})
@@ -316,7 +360,9 @@ int main(int argc, char** argv) {
 
     std::vector<Row> rows;
     for (auto& [name, model] : models) {
+      if (name.find(only_model) == std::string::npos) continue;
       for (auto& plugin : plugins) {
+        if (!only_plugin.empty() && plugin->info().name != only_plugin) continue;
         std::vector<ModeSpec> specs = modes;
         // Every mode's time is compared with normal's; the peer's with fused without checks
         // (like for like: the peer does no checks either).
@@ -336,32 +382,78 @@ int main(int argc, char** argv) {
                     << " MiB\n";
         }
         const auto t0 = Clock::now();
-        Timing timing = time_pass(plugin.get(), model, specs, reference, rounds);
+        int rounds = 0;
+        Timing timing = time_pass(plugin.get(), model, specs, reference, plan, &rounds);
         for (size_t m = 0; m < specs.size(); ++m) {
+          rows[first + m].rounds = rounds;
+          rows[first + m].threads = main_threads.intra_op;
+          rows[first + m].blas = main_threads.blas;
           rows[first + m].ms = timing.ms[m];
           rows[first + m].ms_ratio = timing.ratio[m];
           rows[first + m].ratio_q1 = timing.q1[m];
           rows[first + m].ratio_q3 = timing.q3[m];
         }
         std::cerr << name << " " << plugin->info().name << ": time pass "
-                  << fixed(std::chrono::duration<double>(Clock::now() - t0).count(), 1)
-                  << " s; normal " << fixed(timing.ms[0], 1) << " ms, fused "
+                  << fixed(std::chrono::duration<double>(Clock::now() - t0).count(), 1) << " s, "
+                  << rounds << " rounds; normal " << fixed(timing.ms[0], 1) << " ms, fused "
                   << fixed(timing.ratio[1]) << "x\n";
       }
     }
 
+    // The same time pass under other thread configurations, for the modes the targets name:
+    // fusebox's overhead depends on how the two thread pools hand work to each other.
+    std::vector<Row> thread_rows;
+    const std::vector<ModeSpec> core_specs{modes[0], modes[1],
+                                           modes[5]};  // normal, fused, groups 4 size
+    std::vector<std::pair<int, int>> configs;
+    for (std::pair<int, int> c : {std::pair<int, int>{1, 1}, std::pair<int, int>{cores, cores}})
+      if (c != std::pair<int, int>{main_threads.intra_op, main_threads.blas} &&
+          std::find(configs.begin(), configs.end(), c) == configs.end())
+        configs.push_back(c);
+    if (!only_plugin.empty()) configs.clear();
+    for (auto [intra, blas] : configs) {
+      const ComputeThreads used = set_compute_threads(intra, blas);
+      for (auto& [name, model] : models) {
+        if (name.find(only_model) == std::string::npos || name.find("uniform") != 0) continue;
+        const std::shared_ptr<LoadedPlugin>& adamw = plugins[1];
+        int rounds = 0;
+        const std::vector<size_t> reference(core_specs.size(), 0);
+        Timing timing = time_pass(adamw.get(), model, core_specs, reference, plan, &rounds);
+        for (size_t m = 0; m < core_specs.size(); ++m) {
+          Row r;
+          r.model = name, r.plugin = adamw->info().name, r.mode = core_specs[m].label;
+          r.rounds = rounds, r.threads = used.intra_op, r.blas = used.blas;
+          r.ms = timing.ms[m], r.ms_ratio = timing.ratio[m];
+          r.ratio_q1 = timing.q1[m], r.ratio_q3 = timing.q3[m];
+          thread_rows.push_back(r);
+        }
+        std::cerr << name << " adamw, threads " << used.intra_op << "/" << used.blas << ": normal "
+                  << fixed(timing.ms[0], 1) << " ms, fused " << fixed(timing.ratio[1])
+                  << "x, groups 4 " << fixed(timing.ratio[2]) << "x\n";
+      }
+    }
+    set_compute_threads(threads, blas_threads);
+
     std::ostringstream md, json;
-    md << "Peak memory: each mode alone, " << steps
+    md << "Threads: " << main_threads.intra_op << " LibTorch intra-op, " << main_threads.blas
+       << " OpenBLAS (fusebox::set_compute_threads). Peak memory: "
+          "each "
+          "mode alone, "
+       << steps
        << " measured steps after 2 warm-up steps. Time: a separate interleaved pass per model and "
-          "plugin, every mode on its own clone of the model, warmed up 2 steps, then "
-       << rounds
-       << " rounds of one step of every mode in turn (the first mode rotating each round); "
+          "plugin, every mode on its own clone of the model, warmed up 2 steps, then rounds of one "
+          "step of every mode in turn (the first mode rotating each round; "
+       << (rounds_arg > 0 ? std::to_string(rounds_arg) + " rounds"
+                          : "at least " + std::to_string(plan.min_rounds) +
+                                " rounds and more until " + fixed(plan.budget_s, 0) +
+                                " s have passed, at most " + std::to_string(plan.max_rounds))
+       << "); "
           "ms/step = median step time, time vs normal = median over rounds of the step time over "
           "normal's in the same round (the peer: over fused, no checks), with the quartiles of "
           "those per-round ratios to show the spread.\n\n";
     md << "| model | plugin | mode | peak MiB | lower bound MiB | peak/bound | saving vs normal "
-          "(share of grads) | ms/step | time vs normal | its quartiles over rounds "
-          "|\n|---|---|---|---|---|---|---|---|---|---|\n";
+          "(share of grads) | ms/step | time vs normal | its quartiles over rounds | rounds "
+          "|\n|---|---|---|---|---|---|---|---|---|---|---|\n";
     json << "[\n";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
@@ -371,7 +463,7 @@ int main(int argc, char** argv) {
          << (peer ? "-" : fixed(static_cast<double>(r.peak) / r.lower)) << " | "
          << fixed(100 * r.saving, 0) << "% | " << fixed(r.ms, 1) << " | " << fixed(r.ms_ratio)
          << (peer ? " (vs fused, no checks)" : "") << " | " << fixed(r.ratio_q1) << "-"
-         << fixed(r.ratio_q3) << " |\n";
+         << fixed(r.ratio_q3) << " | " << r.rounds << " |\n";
       json << "  {\"model\": \"" << r.model << "\", \"plugin\": \"" << r.plugin
            << "\", \"mode\": \"" << r.mode << "\", \"params\": " << r.params
            << ", \"peak_bytes\": " << r.peak << ", \"lower_bound_bytes\": " << r.lower
@@ -379,8 +471,26 @@ int main(int argc, char** argv) {
            << ", \"activation_bytes\": " << r.activations << ", \"grad_bytes\": " << r.grad_bytes
            << ", \"saving_share_of_grads\": " << r.saving << ", \"ms_per_step\": " << r.ms
            << ", \"time_ratio\": " << r.ms_ratio << ", \"time_ratio_q1\": " << r.ratio_q1
-           << ", \"time_ratio_q3\": " << r.ratio_q3 << "}" << (i + 1 < rows.size() ? "," : "")
-           << "\n";
+           << ", \"time_ratio_q3\": " << r.ratio_q3 << ", \"rounds\": " << r.rounds
+           << ", \"threads\": " << r.threads << ", \"blas_threads\": " << r.blas << "}"
+           << (i + 1 < rows.size() || !thread_rows.empty() ? "," : "") << "\n";
+    }
+    if (!thread_rows.empty()) {
+      md << "\nThe same time pass under other thread configurations (AdamW; threads = LibTorch "
+            "intra-op / OpenBLAS):\n\n| model | threads | mode | ms/step | time vs normal | its "
+            "quartiles over rounds | rounds |\n|---|---|---|---|---|---|---|\n";
+      for (size_t i = 0; i < thread_rows.size(); ++i) {
+        const Row& r = thread_rows[i];
+        md << "| " << r.model << " | " << r.threads << "/" << r.blas << " | " << r.mode << " | "
+           << fixed(r.ms, 1) << " | " << fixed(r.ms_ratio) << " | " << fixed(r.ratio_q1) << "-"
+           << fixed(r.ratio_q3) << " | " << r.rounds << " |\n";
+        json << "  {\"model\": \"" << r.model << "\", \"plugin\": \"" << r.plugin
+             << "\", \"mode\": \"" << r.mode << "\", \"threads\": " << r.threads
+             << ", \"blas_threads\": " << r.blas << ", \"ms_per_step\": " << r.ms
+             << ", \"time_ratio\": " << r.ms_ratio << ", \"time_ratio_q1\": " << r.ratio_q1
+             << ", \"time_ratio_q3\": " << r.ratio_q3 << ", \"rounds\": " << r.rounds << "}"
+             << (i + 1 < thread_rows.size() ? "," : "") << "\n";
+      }
     }
     json << "]\n";
     fusebox::write_file_atomically(out + "/memory_bench.md", md.str());

@@ -61,7 +61,7 @@ void HookedStep::process(size_t i) {
   if (!(options_.check_finite || options_.max_grad_norm > 0 || options_.track_grad_norm))
     return on_gradient(i);
   // One reduction serves the non-finite check, clipping and the statistics.
-  const at::Tensor norm = param.grad().norm();
+  const at::Tensor norm = grad_norm(param.grad());
   if (param.grad().is_cpu()) {
     // On the host a scalar read costs nothing: the rest is host arithmetic, no more tensor ops.
     const double n = norm.item<double>();

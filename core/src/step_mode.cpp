@@ -15,7 +15,7 @@ StepMode::~StepMode() = default;
 void StepMode::backward(const at::Tensor& loss) { loss.backward(); }
 
 at::Tensor clip_grad_norm_one(const at::Tensor& param, double max_norm) {
-  at::Tensor norm = param.grad().norm();
+  at::Tensor norm = detail::grad_norm(param.grad());
   detail::clip_by_norm_(param, norm, max_norm);
   return norm;
 }
@@ -25,6 +25,15 @@ namespace detail {
 std::function<void(const std::string&)> warner(const StepOptions& o) {
   if (o.warn) return o.warn;
   return [](const std::string& m) { std::cerr << "fusebox: warning: " << m << "\n"; };
+}
+
+at::Tensor grad_norm(const at::Tensor& grad) {
+  const at::ScalarType t = grad.scalar_type();
+  if (grad.is_cpu() && grad.is_contiguous() && (t == at::kFloat || t == at::kDouble)) {
+    const at::Tensor flat = grad.view({-1});
+    return at::dot(flat, flat).sqrt_();
+  }
+  return grad.norm();
 }
 
 bool grad_is_finite(const at::Tensor& param) {
@@ -37,8 +46,9 @@ bool norm_says_finite(const at::Tensor& param, const at::Tensor& norm) {
 
 bool norm_says_finite(const at::Tensor& param, double norm) {
   if (std::isfinite(norm)) return true;
-  // fp16: the sum of squares can overflow although every value is finite.
-  return param.grad().scalar_type() == at::kHalf && grad_is_finite(param);
+  // The sum of squares can overflow although every value is finite (fp16 easily; fp32 above
+  // a norm of about 1.8e19).
+  return grad_is_finite(param);
 }
 
 void clip_by_norm_(const at::Tensor& param, const at::Tensor& norm, double max_norm) {
@@ -124,7 +134,7 @@ class NormalStep final : public StepMode {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!params_[i].grad().defined()) continue;
       with_grad.push_back(i);
-      if (want_norms) norms.push_back(params_[i].grad().norm());
+      if (want_norms) norms.push_back(detail::grad_norm(params_[i].grad()));
     }
     if (norms.empty()) {
       update(opt);

