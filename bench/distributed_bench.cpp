@@ -5,8 +5,9 @@
 //
 // The bench starts its own worker processes (this program again, with a hidden --worker flag and
 // torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT on 127.0.0.1); each world's processes are
-// killed if they overrun its deadline. Each rank computes with one thread (at::set_num_threads(1)),
-// so two ranks use the machine's two cores fairly; one process is also timed with two threads.
+// killed if they overrun its deadline. Each rank computes with one thread (LibTorch's and
+// OpenBLAS's pools, set_compute_threads), so two ranks use the machine's two cores fairly; one
+// process is also timed with two threads.
 // Rank 0 of each world writes its figures (and rank 1's, gathered with a collective) to a result
 // file the parent reads. Writes distributed_bench.md and .json.
 //
@@ -18,7 +19,6 @@
 // the ranks start together; a step's time is the slower rank's. ms = median over rounds; the
 // hidden share = median over rounds of (no overlap - overlap) / comm alone, clamped to [0, 1].
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -52,6 +52,7 @@
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
+#include "fusebox/core/threads.h"
 
 extern char** environ;
 
@@ -185,7 +186,8 @@ int worker_main(bool quick, const std::string& result_path, int threads) {
   auto progress = [&](const std::string& what) {  // to the worker's log
     std::cerr << fixed(ms_since(t_start) / 1000, 1) << " s: " << what << std::endl;
   };
-  at::set_num_threads(threads);
+  // Both pools: OpenBLAS would otherwise start a thread per core in every process.
+  set_compute_threads(threads, threads);
   mallopt(M_MMAP_THRESHOLD, 32 << 20);  // as memory_bench: freed blocks stay in the process
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 256 << 20);
@@ -470,10 +472,13 @@ int parent_main(bool quick, const std::string& out) {
      << " MiB of gradients), AdamW, global batch " << kGlobalBatch
      << " (2 processes: " << kGlobalBatch / 2
      << " rows each). Gloo over 127.0.0.1 on one 2-core machine. Each process computes with one "
-        "thread (at::set_num_threads(1)), so 2 processes use the 2 cores fairly; the 1-process "
-        "run is also shown with 2 threads (both cores for one process). OMP_WAIT_POLICY=passive "
-        "unless set. Load average (1 min) before / after the run: "
-     << load_before << " / " << load_average() << "; whole run " << fixed(total_s, 0)
+        "thread (LibTorch intra-op and OpenBLAS, fusebox::set_compute_threads(1, 1)), so 2 "
+        "processes use the 2 cores fairly; the 1-process run is also shown with 2 threads (both "
+        "cores for one process). OMP_WAIT_POLICY=passive unless set; OPENBLAS_THREAD_TIMEOUT="
+     << (std::getenv("OPENBLAS_THREAD_TIMEOUT") ? std::getenv("OPENBLAS_THREAD_TIMEOUT")
+                                                : "(unset)")
+     << ". Load average (1 min) before / after the run: " << load_before << " / " << load_average()
+     << "; whole run " << fixed(total_s, 0)
      << " s.\n\nTime: in each process, all configurations built side by side on their own clones "
         "of the model, one warm-up step each, then "
      << static_cast<int>(two["rounds"])

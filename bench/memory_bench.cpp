@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -284,9 +285,8 @@ int main(int argc, char** argv) {
   std::string out = ".", only_model, only_plugin;
   int rounds_arg = 0;
   int threads = 1;  // LibTorch's default on Debian
-
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  int blas_threads = cores;  // OpenBLAS's own default
+  int blas_threads = 1;  // one thread in all: no hand-offs between pools (see docs/benchmarks.md)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--quick")
@@ -406,7 +406,9 @@ int main(int argc, char** argv) {
     const std::vector<ModeSpec> core_specs{modes[0], modes[1],
                                            modes[5]};  // normal, fused, groups 4 size
     std::vector<std::pair<int, int>> configs;
-    for (std::pair<int, int> c : {std::pair<int, int>{1, 1}, std::pair<int, int>{cores, cores}})
+    // LibTorch's own default on Debian (1 intra-op thread, OpenBLAS one per core), then every
+    // core for both (the trainer's default).
+    for (std::pair<int, int> c : {std::pair<int, int>{1, cores}, std::pair<int, int>{cores, cores}})
       if (c != std::pair<int, int>{main_threads.intra_op, main_threads.blas} &&
           std::find(configs.begin(), configs.end(), c) == configs.end())
         configs.push_back(c);
@@ -435,8 +437,14 @@ int main(int argc, char** argv) {
     set_compute_threads(threads, blas_threads);
 
     std::ostringstream md, json;
+    auto env = [](const char* name) {
+      const char* v = std::getenv(name);
+      return std::string(name) + "=" + (v ? v : "(unset)");
+    };
     md << "Threads: " << main_threads.intra_op << " LibTorch intra-op, " << main_threads.blas
-       << " OpenBLAS (fusebox::set_compute_threads). Peak memory: "
+       << " OpenBLAS (fusebox::set_compute_threads); " << env("OMP_WAIT_POLICY") << ", "
+       << env("OPENBLAS_THREAD_TIMEOUT")
+       << ". Peak memory: "
           "each "
           "mode alone, "
        << steps

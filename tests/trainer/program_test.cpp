@@ -1,6 +1,9 @@
 // The real trainer program: exit codes and one-line errors on stderr.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <string>
+
 #include "trainer_test_util.h"
 
 namespace fusebox::trainer {
@@ -47,6 +50,30 @@ TEST(TrainerBinary, TrainsAndPrintsPlainLinesWhenNotATerminal) {
   EXPECT_EQ(r.out.find('\r'), std::string::npos);
   EXPECT_TRUE(std::filesystem::exists(dir.file("out/metrics.jsonl")));
   EXPECT_EQ(run_program("--version", dir.str()).code, 0);
+}
+
+// True when OpenBLAS is mapped into this process: the trainer links the same LibTorch.
+bool openblas_loaded() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line))
+    if (line.find("openblas") != std::string::npos) return true;
+  return false;
+}
+
+TEST(TrainerBinary, SetsAndReportsBothThreadPools) {
+  TempDir dir;
+  const std::string base = std::string("--plugin-dir ") + FUSEBOX_PLUGIN_DIR +
+                           " --optimizer sgd --model-width 8 --max-train-steps 1 --threads 1";
+  auto r = run_program(base + " --blas-threads 2", dir.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  if (openblas_loaded())
+    EXPECT_NE(r.out.find("threads: 1 intra-op, 2 OpenBLAS"), std::string::npos) << r.out;
+  else
+    EXPECT_NE(r.out.find("threads: 1 intra-op"), std::string::npos) << r.out;
+  r = run_program(base + " --blas-threads -1", dir.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "trainer: error: --blas-threads: must be at least 0, got -1\n");
 }
 
 }  // namespace

@@ -121,6 +121,8 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.seed = r.get<int64_t>("seed");
   c.threads = r.get<int64_t>("threads");
   c.threads_given = !r.setting("threads").where.empty();
+  c.blas_threads = r.get<int64_t>("blas-threads");
+  c.blas_threads_given = !r.setting("blas-threads").where.empty();
   c.nproc_per_node = r.get<int64_t>("nproc-per-node");
   c.dist_timeout = r.get<double>("dist-timeout");
   c.dist_bucket_mb = r.get<double>("dist-bucket-mb");

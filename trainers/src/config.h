@@ -36,13 +36,14 @@ struct TrainConfig {
   // Precision and device.
   std::string mixed_precision, dtype, device;
   bool full_bf16 = false;
-  int64_t seed = 0, threads = 1;
+  int64_t seed = 0, threads = 1, blas_threads = 0;
 
   // Distributed.
   int64_t nproc_per_node = 1;
   double dist_timeout = 300, dist_bucket_mb = 25;
   bool shard_optimizer_state = false;
   bool threads_given = false;  ///< --threads set explicitly (else ranks share the cores)
+  bool blas_threads_given = false;  ///< --blas-threads set explicitly
 
   // Model and data.
   std::string model;

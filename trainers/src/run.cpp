@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "checkpoint.h"
 #include "data.h"
@@ -14,6 +15,7 @@
 #include "fusebox/core/memory_accounting.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/step_mode.h"
+#include "fusebox/core/threads.h"
 #include "model.h"
 
 namespace fusebox::trainer {
@@ -138,11 +140,14 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         "ranks; give it synthetic or text data");
   if (c.shard_optimizer_state && world == 1)
     con.err << "trainer: warning: --shard-optimizer-state has no effect in a single process\n";
-  // Ranks on one machine share its cores unless --threads says otherwise.
-  int64_t threads = c.threads;
-  if (!c.threads_given && dist.config.local_world_size > 1)
-    threads = std::max<int64_t>(1, threads / dist.config.local_world_size);
-  at::set_num_threads(static_cast<int>(threads));
+  // Ranks on one machine share its cores unless --threads / --blas-threads say otherwise.
+  const int64_t local_ranks = std::max(1, dist.config.local_world_size);
+  int64_t threads = c.threads, blas_threads = c.blas_threads;
+  if (!c.threads_given) threads = std::max<int64_t>(1, threads / local_ranks);
+  if (!c.blas_threads_given && local_ranks > 1)
+    blas_threads = std::max<int64_t>(1, std::thread::hardware_concurrency() / local_ranks);
+  const ComputeThreads used =
+      set_compute_threads(static_cast<int>(threads), static_cast<int>(blas_threads));
   at::manual_seed(static_cast<uint64_t>(c.seed));
   memory::mark_phase("setup");
   const c10::Device device(c.device == "cuda" ? c10::kCUDA : c10::kCPU);
@@ -217,7 +222,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   con.out << (c.name.empty() ? "" : "[" + c.name + "] ") << "model: " << model->describe()
           << "; data: " << data->describe() << "; optimizer: " << plugin.info().name << " ("
           << summary.mode << ", " << mode->optimizers().size() << " optimizer"
-          << (mode->optimizers().size() == 1 ? "" : "s") << ")\n";
+          << (mode->optimizers().size() == 1 ? "" : "s") << "); threads: " << used.intra_op
+          << " intra-op"
+          << (used.blas > 0 ? ", " + std::to_string(used.blas) + " OpenBLAS" : std::string())
+          << "\n";
 
   if (!c.output_dir.empty() && dist.leader())
     remove_stale_temporaries(c.output_dir);  // from killed runs
