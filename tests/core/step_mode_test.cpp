@@ -240,6 +240,32 @@ TEST(StepModes, NonFiniteGradientStopsBeforeTheParameterIsUpdated) {
   }
 }
 
+// A float32 gradient whose values are finite but whose sum of squares overflows (norm > ~1.8e19)
+// has a non-finite norm; the check must look at the values before refusing the step.
+TEST(StepModes, FiniteGradientWithOverflowingNormIsStepped) {
+  auto plugin = registry().load_file("sgd.so");
+  for (std::string mode_name : {"normal", "fused", "groups"}) {
+    at::Tensor a = at::ones({4}).requires_grad_(true);
+    at::Tensor b = at::ones({2}).requires_grad_(true);
+    ParamGroup g;
+    g.params = {a, b};
+    g.names = {"a", "b"};
+    HyperParams hp = plugin->validate({});
+    std::unique_ptr<StepMode> mode;
+    if (mode_name == "normal") mode = make_normal_step(plugin->create({g}, hp));
+    if (mode_name == "fused") mode = make_fused_backward(plugin->create({g}, hp));
+    if (mode_name == "groups")
+      mode = make_optimizer_groups({g}, 2, SplitPolicy::Count, [&](std::vector<ParamGroup> x) {
+        return plugin->create(x, hp);
+      });
+    mode->backward((a * 1e30f).sum() + b.sum());  // a's gradient: 1e30 each, squares overflow
+    EXPECT_NO_THROW(mode->step()) << mode_name;
+    EXPECT_TRUE(at::isfinite(a).all().item<bool>()) << mode_name;
+    EXPECT_FALSE(at::equal(a, at::ones({4}))) << mode_name << ": a was not stepped";
+    EXPECT_FALSE(at::equal(b, at::ones({2}))) << mode_name << ": b was not stepped";
+  }
+}
+
 TEST(StepModes, NormalModeCanSkipANonFiniteStep) {
   auto plugin = registry().load_file("sgd.so");
   at::Tensor a = at::ones({2}, at::kDouble).requires_grad_(true);
