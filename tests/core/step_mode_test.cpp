@@ -211,6 +211,16 @@ TEST(StepModes, PluginExceptionInsideHookReachesCallerWithItsOwnMessage) {
   for (auto& p : model.params) EXPECT_FALSE(p.grad().defined());  // nothing left half-done
 }
 
+// `mode_name` (normal, fused, or groups: 2 by count) over `g`, with the plugin's defaults.
+std::unique_ptr<StepMode> make_mode(const std::string& mode_name, const LoadedPlugin& plugin,
+                                    const ParamGroup& g) {
+  const HyperParams hp = plugin.validate({});
+  if (mode_name == "normal") return make_normal_step(plugin.create({g}, hp));
+  if (mode_name == "fused") return make_fused_backward(plugin.create({g}, hp));
+  return make_optimizer_groups({g}, 2, SplitPolicy::Count,
+                               [&](std::vector<ParamGroup> x) { return plugin.create(x, hp); });
+}
+
 TEST(StepModes, NonFiniteGradientStopsBeforeTheParameterIsUpdated) {
   auto plugin = registry().load_file("sgd.so");
   for (std::string mode_name : {"normal", "fused", "groups"}) {
@@ -219,14 +229,7 @@ TEST(StepModes, NonFiniteGradientStopsBeforeTheParameterIsUpdated) {
     ParamGroup g;
     g.params = {a, b};
     g.names = {"a", "b"};
-    HyperParams hp = plugin->validate({});
-    std::unique_ptr<StepMode> mode;
-    if (mode_name == "normal") mode = make_normal_step(plugin->create({g}, hp));
-    if (mode_name == "fused") mode = make_fused_backward(plugin->create({g}, hp));
-    if (mode_name == "groups")
-      mode = make_optimizer_groups({g}, 2, SplitPolicy::Count, [&](std::vector<ParamGroup> x) {
-        return plugin->create(x, hp);
-      });
+    std::unique_ptr<StepMode> mode = make_mode(mode_name, *plugin, g);
     at::Tensor loss = (a * std::numeric_limits<double>::infinity()).sum() + b.sum();
     try {
       mode->backward(loss);
@@ -250,14 +253,7 @@ TEST(StepModes, FiniteGradientWithOverflowingNormIsStepped) {
     ParamGroup g;
     g.params = {a, b};
     g.names = {"a", "b"};
-    HyperParams hp = plugin->validate({});
-    std::unique_ptr<StepMode> mode;
-    if (mode_name == "normal") mode = make_normal_step(plugin->create({g}, hp));
-    if (mode_name == "fused") mode = make_fused_backward(plugin->create({g}, hp));
-    if (mode_name == "groups")
-      mode = make_optimizer_groups({g}, 2, SplitPolicy::Count, [&](std::vector<ParamGroup> x) {
-        return plugin->create(x, hp);
-      });
+    std::unique_ptr<StepMode> mode = make_mode(mode_name, *plugin, g);
     mode->backward((a * 1e30f).sum() + b.sum());  // a's gradient: 1e30 each, squares overflow
     EXPECT_NO_THROW(mode->step()) << mode_name;
     EXPECT_TRUE(at::isfinite(a).all().item<bool>()) << mode_name;

@@ -3,9 +3,9 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
-#include <fstream>
 #include <string>
 
+#include "../openblas_probe.h"
 #include "fusebox/core/threads.h"
 #include "fusebox/error.h"
 
@@ -25,14 +25,7 @@ class ComputeThreadsTest : public ::testing::Test {
   fusebox::ComputeThreads before_;
 };
 
-// True when OpenBLAS is mapped into this process (LibTorch's BLAS through libblas.so.3).
-bool openblas_loaded() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line))
-    if (line.find("openblas") != std::string::npos) return true;
-  return false;
-}
+using fusebox::testing::openblas_loaded;
 
 TEST_F(ComputeThreadsTest, SetsIntraOpThreads) {
   for (int n : {2, 1}) {

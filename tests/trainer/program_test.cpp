@@ -1,9 +1,9 @@
 // The real trainer program: exit codes and one-line errors on stderr.
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <string>
 
+#include "../openblas_probe.h"
 #include "trainer_test_util.h"
 
 namespace fusebox::trainer {
@@ -52,14 +52,7 @@ TEST(TrainerBinary, TrainsAndPrintsPlainLinesWhenNotATerminal) {
   EXPECT_EQ(run_program("--version", dir.str()).code, 0);
 }
 
-// True when OpenBLAS is mapped into this process: the trainer links the same LibTorch.
-bool openblas_loaded() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line))
-    if (line.find("openblas") != std::string::npos) return true;
-  return false;
-}
+using fusebox::testing::openblas_loaded;
 
 TEST(TrainerBinary, SetsAndReportsBothThreadPools) {
   TempDir dir;
