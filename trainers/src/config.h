@@ -42,7 +42,7 @@ struct TrainConfig {
   int64_t nproc_per_node = 1;
   double dist_timeout = 300, dist_bucket_mb = 25;
   bool shard_optimizer_state = false;
-  bool threads_given = false;  ///< --threads set explicitly (else ranks share the cores)
+  bool threads_given = false;       ///< --threads set explicitly (else ranks share the cores)
   bool blas_threads_given = false;  ///< --blas-threads set explicitly
 
   // Model and data.

@@ -120,10 +120,10 @@ std::vector<OptionSpec> build_specs() {
   at_least(
       add(opt("threads", Kind::Int, cores, "intra-op CPU threads (default: the core count)", "N")),
       1);
-  at_least(add(opt("blas-threads", Kind::Int, int64_t{0},
-                   "OpenBLAS threads for matrix products (default 0: OpenBLAS's own, one per core)",
-                   "N")),
-           0);
+  at_least(
+      add(opt("blas-threads", Kind::Int, int64_t{0},
+              "OpenBLAS threads for matrix products (0: OpenBLAS's own count, one per core)", "N")),
+      0);
 
   section = "Distributed (data parallel, c10d)";
   at_least(add(opt("nproc-per-node", Kind::Int, int64_t{1},
