@@ -443,11 +443,7 @@ int main(int argc, char** argv) {
     };
     md << "Threads: " << main_threads.intra_op << " LibTorch intra-op, " << main_threads.blas
        << " OpenBLAS (fusebox::set_compute_threads); " << env("OMP_WAIT_POLICY") << ", "
-       << env("OPENBLAS_THREAD_TIMEOUT")
-       << ". Peak memory: "
-          "each "
-          "mode alone, "
-       << steps
+       << env("OPENBLAS_THREAD_TIMEOUT") << ". Peak memory: each mode alone, " << steps
        << " measured steps after 2 warm-up steps. Time: a separate interleaved pass per model and "
           "plugin, every mode on its own clone of the model, warmed up 2 steps, then rounds of one "
           "step of every mode in turn (the first mode rotating each round; "
