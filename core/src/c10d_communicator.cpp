@@ -1,8 +1,10 @@
 // The Communicator on c10d: a TCPStore rendezvous and a Gloo process group. Built only when
 // LibTorch's c10d headers and gloo's headers (Debian: libgloo-dev) are present.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include "fusebox/core/distributed.h"
+#include "torch_compat.h"
 
 #if defined(FUSEBOX_WITH_C10D)
 #ifndef USE_C10D_GLOO  // the header is empty without it (LibTorch's own flags usually set it)
@@ -10,6 +12,7 @@
 #endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <c10/util/Logging.h>
 #if defined(C10_USE_GLOG)
 #include <glog/logging.h>
 #endif
@@ -67,7 +70,9 @@ class C10dPending final : public Communicator::Pending {
 
 class C10dCommunicator final : public Communicator {
  public:
-  C10dCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, const DistributedConfig& c)
+  // Held as the concrete Gloo group: in 2.x it derives from c10d::Backend, not ProcessGroup
+  // (which its header no longer declares), and both bases offer the same collectives.
+  C10dCommunicator(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg, const DistributedConfig& c)
       : pg_(std::move(pg)), config_(c) {}
 
   int rank() const override { return config_.rank; }
@@ -151,7 +156,7 @@ class C10dCommunicator final : public Communicator {
     }
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   DistributedConfig config_;
 };
 
@@ -169,10 +174,12 @@ std::shared_ptr<Communicator> connect(const DistributedConfig& c) {
   if (c.world_size < 1 || c.rank < 0 || c.rank >= c.world_size)
     throw Error("distributed: rank " + std::to_string(c.rank) + " is outside world size " +
                 std::to_string(c.world_size));
-#if defined(C10_USE_GLOG)
   // c10d logs each failure itself, on several lines; fusebox reports it once, in one line.
+  // Builds with glog filter on glog's level, the others (2.x on Debian) on c10's own.
+#if defined(C10_USE_GLOG)
   FLAGS_minloglevel = std::max(FLAGS_minloglevel, 3);
 #endif
+  FLAGS_caffe2_log_level = std::max<int>(FLAGS_caffe2_log_level, 3);
   c10::intrusive_ptr<c10d::Store> store;
   try {
     c10d::TCPStoreOptions so;
@@ -181,7 +188,16 @@ std::shared_ptr<Communicator> connect(const DistributedConfig& c) {
     so.numWorkers = static_cast<size_t>(c.world_size);
     so.waitWorkers = true;
     so.timeout = c.timeout;
-    store = c10::make_intrusive<c10d::TCPStore>(c.master_addr, so);
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(c.master_addr, so);
+    } catch (const std::exception& e) {
+      // 2.4+ asks for the libuv backend by default, which builds without libuv refuse before
+      // they touch the network; the classic backend speaks the same protocol.
+      if (std::string(e.what()).find("libuv") == std::string::npos ||
+          !compat::use_classic_tcp_store(so))
+        throw;
+      store = c10::make_intrusive<c10d::TCPStore>(c.master_addr, so);
+    }
   } catch (const std::exception& e) {
     throw DistributedError("rank " + std::to_string(c.rank) + " could not join the rendezvous at " +
                            where + " within " + seconds(c.timeout) + ": " + first_line(e.what()) +

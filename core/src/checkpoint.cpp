@@ -3,6 +3,7 @@
 #include "fusebox/core/step_mode.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/core/Dict.h>
 #include <fcntl.h>
 #include <signal.h>

@@ -3,6 +3,7 @@
 #include "fusebox/core/distributed.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>

@@ -1,5 +1,6 @@
 // Fused backward pass: each parameter is stepped the moment its gradient exists, then freed.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include "step_mode_common.h"
 

@@ -1,6 +1,7 @@
 // Optimizer groups: N optimizer instances over contiguous slices of the parameters; each slice
 // steps, and frees its gradients, as soon as its last gradient has been accumulated.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <limits>

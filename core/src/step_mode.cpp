@@ -2,6 +2,7 @@
 #include "fusebox/core/step_mode.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cmath>
 #include <iostream>

@@ -170,4 +170,25 @@ inline void set_autocast_dtype(c10::DeviceType d, at::ScalarType t) {
 #endif
 }
 
+namespace detail {
+template <class StoreOptions>
+auto use_classic_tcp_store(StoreOptions& o, int) -> decltype(o.useLibUV = false, true) {
+  o.useLibUV = false;
+  return true;
+}
+template <class StoreOptions>
+bool use_classic_tcp_store(StoreOptions&, long) {
+  return false;
+}
+}  // namespace detail
+
+/// Switches c10d's TCPStore to its classic backend where the options have a libuv switch (2.2+,
+/// on by default from 2.4) and returns true; returns false where there is no switch. LibTorch
+/// builds without libuv (Debian's among them) refuse the default with "use_libuv was requested
+/// but PyTorch was build without libuv support".
+template <class StoreOptions>
+bool use_classic_tcp_store(StoreOptions& o) {
+  return detail::use_classic_tcp_store(o, 0);
+}
+
 }  // namespace fusebox::compat

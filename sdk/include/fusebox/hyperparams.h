@@ -84,9 +84,13 @@ class Schema {
   HyperParamSpec& integer(const std::string& name, int64_t def, const std::string& help) {
     return add(name, ParamType::Int, def, help);
   }
-  /// Declares a real number; pass std::monostate{} as default together with allow_none().
-  HyperParamSpec& real(const std::string& name, Value def, const std::string& help) {
-    return add(name, ParamType::Double, std::move(def), help);
+  /// Declares a real number.
+  HyperParamSpec& real(const std::string& name, double def, const std::string& help) {
+    return add(name, ParamType::Double, def, help);
+  }
+  /// Declares a real number without a default ("none"); chain allow_none().
+  HyperParamSpec& real(const std::string& name, std::monostate none, const std::string& help) {
+    return add(name, ParamType::Double, none, help);
   }
   /// Declares a pair of reals, e.g. betas; bounds apply to both elements.
   HyperParamSpec& real_pair(const std::string& name, std::pair<double, double> def,
