@@ -10,9 +10,9 @@
 #ifndef USE_C10D_GLOO  // the header is empty without it (LibTorch's own flags usually set it)
 #define USE_C10D_GLOO 1
 #endif
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <c10/util/Logging.h>
 #if defined(C10_USE_GLOG)
 #include <glog/logging.h>
 #endif
@@ -175,11 +175,11 @@ std::shared_ptr<Communicator> connect(const DistributedConfig& c) {
     throw Error("distributed: rank " + std::to_string(c.rank) + " is outside world size " +
                 std::to_string(c.world_size));
   // c10d logs each failure itself, on several lines; fusebox reports it once, in one line.
-  // Builds with glog filter on glog's level, the others (2.x on Debian) on c10's own.
+  // Builds without glog (2.x on Debian) filter on c10's level, the others on glog's.
+  FLAGS_caffe2_log_level = std::max<int>(FLAGS_caffe2_log_level, 3);
 #if defined(C10_USE_GLOG)
   FLAGS_minloglevel = std::max(FLAGS_minloglevel, 3);
 #endif
-  FLAGS_caffe2_log_level = std::max<int>(FLAGS_caffe2_log_level, 3);
   c10::intrusive_ptr<c10d::Store> store;
   try {
     c10d::TCPStoreOptions so;

@@ -3,8 +3,8 @@
 #include "fusebox/core/step_mode.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <ATen/core/Dict.h>
+#include <ATen/core/grad_mode.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <torch/csrc/jit/serialization/pickle.h>

@@ -80,8 +80,8 @@ TEST(TrainerDistributed, ThreeRanksWithShardedStateTrainLikeOneProcess) {
   const std::string base = common("adamw", 4) + " --train-batch-size 6";
   Result one = train(d, "one", base);
   ASSERT_EQ(one.code, 0) << one.err;
-  Result three = train(d, "three",
-                       base + " --nproc-per-node 3 --fused-backward-pass --shard-optimizer-state");
+  Result three =
+      train(d, "three", base + " --nproc-per-node 3 --fused-backward-pass --shard-optimizer-state");
   ASSERT_EQ(three.code, 0) << three.err;
   EXPECT_LT(max_diff(weights(d, "three"), weights(d, "one")), 1e-10);
 }
