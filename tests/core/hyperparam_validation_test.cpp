@@ -84,3 +84,18 @@ TEST(HyperparamValidation, WrongTypeOutOfRangeEnumAndRule) {
             std::string::npos);
   EXPECT_NE(error_of(cli({{"slice_p", "none"}})).find("none is not allowed"), std::string::npos);
 }
+
+TEST(HyperparamValidation, RealDeclaresFromANumberNoneOrAValue) {
+  Schema s;
+  s.real("from_int", 2, "an integer literal is a real");
+  s.real("from_double", 0.5, "a double");
+  s.real("none", std::monostate{}, "no default").allow_none();
+  const Value held = 0.25;
+  s.real("from_value", held, "a default held in a Value");
+  for (const auto& spec : s.specs()) EXPECT_EQ(spec.type, ParamType::Double) << spec.name;
+  HyperParams h = validate_hyperparams(s, "demo", {});
+  EXPECT_EQ(h.real("from_int"), 2.0);
+  EXPECT_EQ(h.real("from_double"), 0.5);
+  EXPECT_FALSE(h.is_set("none"));
+  EXPECT_EQ(h.real("from_value"), 0.25);
+}

@@ -92,6 +92,10 @@ class Schema {
   HyperParamSpec& real(const std::string& name, std::monostate none, const std::string& help) {
     return add(name, ParamType::Double, none, help);
   }
+  /// Declares a real number whose default is held in a Value (a double or std::monostate).
+  HyperParamSpec& real(const std::string& name, Value def, const std::string& help) {
+    return add(name, ParamType::Double, std::move(def), help);
+  }
   /// Declares a pair of reals, e.g. betas; bounds apply to both elements.
   HyperParamSpec& real_pair(const std::string& name, std::pair<double, double> def,
                             const std::string& help) {
