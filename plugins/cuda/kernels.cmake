@@ -34,8 +34,14 @@ if(CCACHE_PROGRAM AND NOT CMAKE_CUDA_COMPILER_LAUNCHER)
 endif()
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
+# A CUDA LibTorch's package sets CMAKE_CUDA_ARCHITECTURES to OFF and puts its own -gencode list
+# (TORCH_CUDA_ARCH_LIST) into CMAKE_CUDA_FLAGS; the kernels are then built for those.
+set(_fusebox_archs "${CMAKE_CUDA_ARCHITECTURES}")
+if(NOT CMAKE_CUDA_ARCHITECTURES)
+  set(_fusebox_archs "LibTorch's -gencode list")
+endif()
 message(STATUS "fusebox: CUDA kernels with nvcc ${CMAKE_CUDA_COMPILER_VERSION}, "
-  "architectures ${CMAKE_CUDA_ARCHITECTURES}")
+  "architectures ${_fusebox_archs}")
 
 add_library(fusebox_cuda_kernels STATIC ${CMAKE_CURRENT_LIST_DIR}/update_kernels.cu)
 target_link_libraries(fusebox_cuda_kernels PUBLIC fusebox_cuda_math CUDA::cudart)

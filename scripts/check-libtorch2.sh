@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Builds fusebox against LibTorch 2.x and runs its test suite there.
+#
+# LibTorch 2.x comes from Debian 13 (trixie): libtorch-dev 2.6, CPU, with GCC 14 and CMake 3.31,
+# inside a Debian 13 tree made with mmdebstrap, so this works on the Debian 12 machine that builds
+# against 1.13. The tree is kept (FUSEBOX_TORCH2_ROOT), so a rerun only rebuilds what changed.
+#
+#   bash scripts/check-libtorch2.sh          build with warnings as errors, run every test
+#   bash scripts/check-libtorch2.sh --cuda   against libtorch-cuda-dev 2.6 and nvcc 12.4 (Debian 13
+#                                            contrib/non-free): build only, warnings as errors
+#
+# The --cuda tree is about 11 GB. Debian's cuDNN package downloads cuDNN from NVIDIA when it is
+# configured, which fails where only Debian's mirror is reachable; LibTorch's CUDA headers and
+# libraries are unpacked all the same, which is all a build needs. Running needs a GPU and cuDNN.
+#
+# Needs root (mmdebstrap, chroot, mounts); the mounts live in a private mount namespace and vanish
+# when the script ends, however it ends.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+src=$PWD
+
+cuda=0
+if [ "${1:-}" = "--cuda" ]; then
+  cuda=1
+elif [ $# -gt 0 ]; then
+  echo "check-libtorch2: unknown argument '$1' (use --cuda or nothing)" >&2
+  exit 2
+fi
+if [ "$(id -u)" -ne 0 ]; then
+  echo "check-libtorch2: needs root (mmdebstrap, chroot and mounts); run it with sudo" >&2
+  exit 2
+fi
+
+suffix=$([ $cuda -eq 1 ] && echo "-cuda" || true)
+root=${FUSEBOX_TORCH2_ROOT:-/var/cache/fusebox/trixie-libtorch2$suffix}
+mirror=http://deb.debian.org/debian
+common=build-essential,cmake,ninja-build,ccache,libboost-dev,libboost-program-options-dev,libboost-filesystem-dev,libtomlplusplus-dev,libgtest-dev,libgmock-dev,libopenblas0-pthread,python3
+
+if [ ! -f "$root/.fusebox-ready" ]; then
+  if ! command -v mmdebstrap >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends mmdebstrap
+  fi
+  rm -rf "$root"
+  mkdir -p "$(dirname "$root")"
+  echo "check-libtorch2: making a Debian 13 tree with LibTorch 2.x in $root"
+  if [ $cuda -eq 0 ]; then
+    mmdebstrap --quiet --variant=apt --include="$common,libtorch-dev,libgloo-dev" \
+      trixie "$root" "$mirror"
+  else
+    mmdebstrap --quiet --variant=apt --components=main,contrib,non-free --include="$common" \
+      trixie "$root" "$mirror"
+    # Fails in nvidia-cudnn's configure step only (see above); what the build needs is checked next.
+    chroot "$root" env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq libtorch-cuda-dev nvidia-cuda-toolkit >"$root/.install.log" 2>&1 || true
+    for f in usr/bin/nvcc usr/include/c10/cuda/CUDACachingAllocator.h \
+      usr/lib/x86_64-linux-gnu/libtorch_cuda.so; do
+      if [ ! -e "$root/$f" ]; then
+        echo "check-libtorch2: /$f is missing from the tree; see $root/.install.log" >&2
+        exit 1
+      fi
+    done
+  fi
+  touch "$root/.fusebox-ready"
+fi
+
+cmake_args="-DCMAKE_BUILD_TYPE=Release -DCMAKE_COMPILE_WARNING_AS_ERROR=ON"
+tests="OMP_WAIT_POLICY=passive ctest --output-on-failure -j $(nproc) --timeout 900"
+if [ $cuda -eq 1 ]; then
+  cmake_args="$cmake_args -DFUSEBOX_CUDA=ON"
+  tests="echo 'check-libtorch2: built and linked (running needs a GPU and cuDNN)'"
+fi
+# What runs inside the tree; the build lives there too (/root/build), not in the source tree.
+cat >"$root/fusebox-check.sh" <<INNER
+set -euo pipefail
+export CCACHE_BASEDIR=/src
+cmake -S /src -B /root/build -G Ninja $cmake_args | grep -E '^-- fusebox:' || true
+cmake --build /root/build -j $(nproc)
+cd /root/build
+$tests
+INNER
+mkdir -p "$root/src" "$root/proc" "$root/dev"
+unshare --mount --propagation private bash -euo pipefail -c "
+  mount -t proc proc '$root/proc'
+  mount --bind /dev '$root/dev'
+  mount --bind '$src' '$root/src'
+  mount -o remount,bind,ro '$root/src'
+  chroot '$root' bash /fusebox-check.sh
+"
