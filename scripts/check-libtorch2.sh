@@ -51,7 +51,9 @@ if [ ! -f "$root/.fusebox-ready" ]; then
   else
     mmdebstrap --quiet --variant=apt --components=main,contrib,non-free --include="$common" \
       trixie "$root" "$mirror"
-    # Fails in nvidia-cudnn's configure step only (see above); what the build needs is checked next.
+    # mmdebstrap leaves no package lists behind. The install fails in nvidia-cudnn's configure step
+    # only (see above); what the build needs is checked next.
+    chroot "$root" apt-get update -qq
     chroot "$root" env DEBIAN_FRONTEND=noninteractive \
       apt-get install -y -qq libtorch-cuda-dev nvidia-cuda-toolkit >"$root/.install.log" 2>&1 || true
     for f in usr/bin/nvcc usr/include/c10/cuda/CUDACachingAllocator.h \
