@@ -70,7 +70,9 @@ fi
 cmake_args="-DCMAKE_BUILD_TYPE=Release -DCMAKE_COMPILE_WARNING_AS_ERROR=ON"
 tests="OMP_WAIT_POLICY=passive ctest --output-on-failure -j $(nproc) --timeout 900"
 if [ $cuda -eq 1 ]; then
-  cmake_args="$cmake_args -DFUSEBOX_CUDA=ON"
+  # libtorch_cuda.so needs libcudnn.so.9, which the tree lacks (see above): executables are linked
+  # without checking the libraries' own undefined symbols. Plugins and libraries link as always.
+  cmake_args="$cmake_args -DFUSEBOX_CUDA=ON -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined"
   tests="echo 'check-libtorch2: built and linked (running needs a GPU and cuDNN)'"
 fi
 # What runs inside the tree; the build lives there too (/root/build), not in the source tree.

@@ -34,6 +34,10 @@ if(CCACHE_PROGRAM AND NOT CMAKE_CUDA_COMPILER_LAUNCHER)
 endif()
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
+# nvcc's host compiler can be another GCC than the C++ compiler that links (Debian 13: nvcc 12.4
+# runs gcc-13, c++ is gcc-14). Its library folder would then hand that link an older libstdc++
+# (undefined __cxa_call_terminate); the linking compiler knows its own folders.
+list(FILTER CMAKE_CUDA_IMPLICIT_LINK_DIRECTORIES EXCLUDE REGEX "/gcc/")
 # A CUDA LibTorch's package sets CMAKE_CUDA_ARCHITECTURES to OFF and puts its own -gencode list
 # (TORCH_CUDA_ARCH_LIST) into CMAKE_CUDA_FLAGS; the kernels are then built for those.
 set(_fusebox_archs "${CMAKE_CUDA_ARCHITECTURES}")
