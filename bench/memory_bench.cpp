@@ -26,7 +26,6 @@
 #include <iostream>
 #include <map>
 #include <sstream>
-#include <thread>
 
 #include "../core/src/torch_compat.h"
 #include "chain_model.h"
@@ -285,7 +284,7 @@ int main(int argc, char** argv) {
   std::string out = ".", only_model, only_plugin;
   int rounds_arg = 0;
   int threads = 1;  // LibTorch's default on Debian
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = available_cores();
   int blas_threads = 1;  // one thread in all: no hand-offs between pools (see docs/benchmarks.md)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];

@@ -4,8 +4,10 @@
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "fusebox/error.h"
 
@@ -39,6 +41,10 @@ ComputeThreads set_compute_threads(int intra_op, int blas) {
   if (set_blas && blas > 0 && !out.blas_from_env) set_blas(blas);
   if (get_blas) out.blas = get_blas();
   return out;
+}
+
+int available_cores() {
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 }  // namespace fusebox

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include <string>
+#include <thread>
 
 #include "../openblas_probe.h"
 #include "fusebox/core/threads.h"
@@ -64,3 +65,10 @@ TEST_F(ComputeThreadsTest, RejectsBadCounts) {
 }
 
 }  // namespace
+
+TEST(ComputeThreads, AvailableCoresIsTheMachinesCountAndAtLeastOne) {
+  EXPECT_GE(fusebox::available_cores(), 1);
+  if (std::thread::hardware_concurrency() > 0) {
+    EXPECT_EQ(fusebox::available_cores(), static_cast<int>(std::thread::hardware_concurrency()));
+  }
+}

@@ -7,9 +7,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
-#include <thread>
 
 #include "fusebox/core/suggest.h"
+#include "fusebox/core/threads.h"
 #include "fusebox/error.h"
 
 namespace fusebox::trainer {
@@ -36,7 +36,7 @@ std::vector<OptionSpec> build_specs() {
   };
   auto at_least = [](OptionSpec& s, double m) { s.min = m; };
   auto choices = [](OptionSpec& s, std::vector<std::string> c) { s.choices = std::move(c); };
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t cores = available_cores();
 
   section = "General";
   add(opt("config", Kind::ActionArg, {}, "read options from this TOML file (the command line wins)",

@@ -5,7 +5,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <thread>
 
 #include "checkpoint.h"
 #include "data.h"
@@ -145,7 +144,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   int64_t threads = c.threads, blas_threads = c.blas_threads;
   if (!c.threads_given) threads = std::max<int64_t>(1, threads / local_ranks);
   if (!c.blas_threads_given && local_ranks > 1)
-    blas_threads = std::max<int64_t>(1, std::thread::hardware_concurrency() / local_ranks);
+    blas_threads = std::max<int64_t>(1, available_cores() / local_ranks);
   const ComputeThreads used =
       set_compute_threads(static_cast<int>(threads), static_cast<int>(blas_threads));
   at::manual_seed(static_cast<uint64_t>(c.seed));

@@ -21,4 +21,7 @@ struct ComputeThreads {
 /// follows `at::set_num_threads` already.)
 ComputeThreads set_compute_threads(int intra_op, int blas = 0);
 
+/// The cores this machine reports (at least 1): the default size of both pools.
+int available_cores();
+
 }  // namespace fusebox
