@@ -18,14 +18,19 @@ struct ChainModel {
   std::vector<at::Tensor> weights;
   std::vector<std::string> names;
   int64_t batch;
-  ChainModel(int64_t width, int64_t depth, int64_t batch_size, bool uneven) : batch(batch_size) {
+  at::Device device = at::kCPU;
+  /// The weights are drawn on the CPU, then moved, so every device trains the same model.
+  ChainModel(int64_t width, int64_t depth, int64_t batch_size, bool uneven,
+             at::Device on = at::kCPU)
+      : batch(batch_size), device(on) {
     at::manual_seed(0);
     std::vector<int64_t> dims(static_cast<size_t>(depth + 1), width);
     if (uneven) dims[1] = dims[2] = dims[3] = 4 * width;  // layers 0-3: 4x/16x/16x/4x
     for (int64_t i = 0; i < depth; ++i) {
       const int64_t in = dims[static_cast<size_t>(i)], out = dims[static_cast<size_t>(i + 1)];
-      weights.push_back(
-          (at::randn({in, out}) / std::sqrt(static_cast<double>(in))).requires_grad_(true));
+      weights.push_back((at::randn({in, out}) / std::sqrt(static_cast<double>(in)))
+                            .to(device)
+                            .requires_grad_(true));
       names.push_back("layer" + std::to_string(i) + ".weight");
     }
   }
@@ -50,7 +55,9 @@ struct ChainModel {
   /// The same loss over rows [first, first + rows) of the batch (one data-parallel shard: the
   /// mean over ranks of the shards' gradients is the whole batch's gradient).
   at::Tensor loss(int64_t step, int64_t first, int64_t rows) const {
-    at::Tensor x = at::sin(at::arange(batch * weights[0].size(0), at::kFloat) * (0.01 + step))
+    at::Tensor x = at::sin(at::arange(batch * weights[0].size(0),
+                                      at::TensorOptions(at::kFloat).device(device)) *
+                           (0.01 + step))
                        .reshape({batch, weights[0].size(0)})
                        .narrow(0, first, rows);
     for (auto& w : weights) x = at::gelu(at::matmul(x, w));

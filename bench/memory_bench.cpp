@@ -1,9 +1,10 @@
 // Peak memory and time per step of normal / fused / grouped stepping, measured in one run.
 //
-//   build/bin/memory_bench [--quick] [--out DIR]
+//   build/bin/memory_bench [--quick] [--out DIR] [--device cpu|cuda]
 //
-// For each model size, mode and plugin it reports the measured peak of live tensor bytes (a
-// counting CPU allocator), the analytic lower bound for the mode, their ratio, the saving versus
+// For each model size, mode and plugin it reports the measured peak of live tensor bytes (on the
+// CPU a counting allocator, on CUDA the caching allocator's allocated bytes), the analytic lower
+// bound for the mode, their ratio, the saving versus
 // the normal loop as a share of all gradient bytes, and time per step relative to normal. It also
 // runs a "peer": the same model with one torch::optim::Adam per parameter stepped from the same
 // kind of hook, as PyTorch's optimizer-in-backward tutorial does. Writes memory_bench.md,
@@ -13,6 +14,7 @@
 // all modes of one model and plugin side by side, one step of each in turn per round, so that a
 // shared machine's drift affects every mode alike; ratios are medians of same-round ratios.
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <torch/optim/adam.h>
 
 #include <malloc.h>
@@ -42,6 +44,16 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 using bench::ChainModel;
+
+// The device the models train on. Memory figures come from where its tensors live: the counting
+// CPU allocator, or the CUDA caching allocator's statistics.
+bool on_cuda = false;
+int64_t live_bytes() { return on_cuda ? mem::cuda_stats().allocated : mem::current_bytes(); }
+int64_t peak_live_bytes() { return on_cuda ? mem::cuda_stats().peak_allocated : mem::peak_bytes(); }
+// CUDA kernels run asynchronously: a step has ended when the device has finished it.
+void finish_device_work() {
+  if (on_cuda) torch::cuda::synchronize();
+}
 
 struct Row {
   std::string model, plugin, mode;
@@ -88,9 +100,9 @@ struct Trial {
 
   // One training step on input `s`; `activations` (optional) gets the bytes the forward pass added.
   void run(int64_t s, int64_t* activations = nullptr) {
-    const int64_t base = mem::current_bytes();
+    const int64_t base = live_bytes();
     at::Tensor loss = model.loss(s);
-    if (activations) *activations = std::max(*activations, mem::peak_bytes() - base);
+    if (activations) *activations = std::max(*activations, peak_live_bytes() - base);
     if (!mode) {
       loss.backward();  // the peer steps inside
       return;
@@ -103,6 +115,7 @@ struct Trial {
   double timed_run(int64_t s) {
     auto t0 = Clock::now();
     run(s);
+    finish_device_work();
     return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   }
 };
@@ -151,7 +164,7 @@ std::unique_ptr<Trial> make_trial(const LoadedPlugin* plugin, const ChainModel& 
 Row measure_memory(const LoadedPlugin* plugin, const ChainModel& proto,
                    const std::string& model_name, const ModeSpec& spec, int steps) {
   // Everything alive before this measurement (other models, the registry) is not counted.
-  const int64_t outside = mem::current_bytes();
+  const int64_t outside = live_bytes();
   std::unique_ptr<Trial> t = make_trial(plugin, proto, spec);
   for (int s = 0; s < 2; ++s) t->run(s);  // warm-up: optimizer state is allocated here
   Row r;
@@ -165,7 +178,7 @@ Row measure_memory(const LoadedPlugin* plugin, const ChainModel& proto,
   for (int s = 0; s < steps; ++s) {
     mem::reset_peak();
     t->run(s + 2, &activations);
-    peak = std::max(peak, mem::peak_bytes());
+    peak = std::max(peak, peak_live_bytes());
   }
   r.peak = peak - outside;
   r.activations = activations;
@@ -198,6 +211,7 @@ Timing time_pass(const LoadedPlugin* plugin, const ChainModel& proto,
   for (const ModeSpec& spec : specs) trials.push_back(make_trial(plugin, proto, spec));
   for (auto& t : trials)
     for (int s = 0; s < 2; ++s) t->run(s);
+  finish_device_work();
   const size_t n = trials.size();
   std::vector<std::vector<double>> times(n);
   const auto start = Clock::now();
@@ -281,7 +295,7 @@ void write_svg(const std::vector<Row>& rows, const std::string& path) {
 
 int main(int argc, char** argv) {
   bool quick = false;
-  std::string out = ".", only_model, only_plugin;
+  std::string out = ".", only_model, only_plugin, device_arg = "cpu";
   int rounds_arg = 0;
   int threads = 1;  // LibTorch's default on Debian
   const int cores = available_cores();
@@ -302,12 +316,25 @@ int main(int argc, char** argv) {
       threads = std::atoi(argv[++i]);
     else if (a == "--blas-threads" && i + 1 < argc)
       blas_threads = std::atoi(argv[++i]);
+    else if (a == "--device" && i + 1 < argc)
+      device_arg = argv[++i];
     else {
-      std::cerr << "usage: memory_bench [--quick] [--out DIR] [--model SUBSTRING] [--plugin NAME] "
-                   "[--rounds N] [--threads N] [--blas-threads N]\n";
+      std::cerr << "usage: memory_bench [--quick] [--out DIR] [--device cpu|cuda] [--model "
+                   "SUBSTRING] [--plugin NAME] [--rounds N] [--threads N] [--blas-threads N]\n";
       return 2;
     }
   }
+  if (device_arg != "cpu" && device_arg != "cuda") {
+    std::cerr << "memory_bench: error: --device " << device_arg << ": use cpu or cuda\n";
+    return 2;
+  }
+  on_cuda = device_arg == "cuda";
+  if (on_cuda && !torch::cuda::is_available()) {
+    std::cerr << "memory_bench: error: --device cuda: no CUDA device is available (LibTorch "
+                 "without CUDA, or no GPU visible); use --device cpu\n";
+    return 2;
+  }
+  const at::Device device = on_cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   if (threads < 1 || blas_threads < 1 || rounds_arg < 0) {
     std::cerr << "memory_bench: error: --threads and --blas-threads must be at least 1, --rounds "
                  "at least 0\n";
@@ -351,11 +378,18 @@ int main(int argc, char** argv) {
     else if (quick)
       plan = RoundPlan{7, 100, 2};
     const ComputeThreads main_threads = set_compute_threads(threads, blas_threads);
+    // A GPU gets models 4x as wide (16x the parameters: up to 400 million). The time pass keeps
+    // every mode's copy of a model alive at once: about 80 GB of GPU memory for the widest with
+    // AdamW, 20 GB with --quick.
+    std::vector<int64_t> widths =
+        quick ? std::vector<int64_t>{256, 512} : std::vector<int64_t>{256, 512, 1024};
+    const int64_t scale = on_cuda ? 4 : 1;
     std::vector<std::pair<std::string, ChainModel>> models;
-    for (int64_t width :
-         quick ? std::vector<int64_t>{256, 512} : std::vector<int64_t>{256, 512, 1024})
-      models.emplace_back("uniform 24x" + std::to_string(width), ChainModel(width, 24, 16, false));
-    models.emplace_back("uneven 24x512", ChainModel(512, 24, 16, true));
+    for (int64_t width : widths)
+      models.emplace_back("uniform 24x" + std::to_string(scale * width),
+                          ChainModel(scale * width, 24, 16, false, device));
+    models.emplace_back("uneven 24x" + std::to_string(scale * 512),
+                        ChainModel(scale * 512, 24, 16, true, device));
 
     std::vector<Row> rows;
     for (auto& [name, model] : models) {
@@ -411,7 +445,7 @@ int main(int argc, char** argv) {
       if (c != std::pair<int, int>{main_threads.intra_op, main_threads.blas} &&
           std::find(configs.begin(), configs.end(), c) == configs.end())
         configs.push_back(c);
-    if (!only_plugin.empty()) configs.clear();
+    if (!only_plugin.empty() || on_cuda) configs.clear();  // threads matter on the CPU only
     for (auto [intra, blas] : configs) {
       const ComputeThreads used = set_compute_threads(intra, blas);
       for (auto& [name, model] : models) {
@@ -440,7 +474,11 @@ int main(int argc, char** argv) {
       const char* v = std::getenv(name);
       return std::string(name) + "=" + (v ? v : "(unset)");
     };
-    md << "Threads: " << main_threads.intra_op << " LibTorch intra-op, " << main_threads.blas
+    md << "Device: " << device_arg
+       << (on_cuda ? " (peak memory: the CUDA caching allocator's allocated bytes; a step's time "
+                     "ends with a device synchronisation)"
+                   : "")
+       << ". Threads: " << main_threads.intra_op << " LibTorch intra-op, " << main_threads.blas
        << " OpenBLAS (fusebox::set_compute_threads); " << env("OMP_WAIT_POLICY") << ", "
        << env("OPENBLAS_THREAD_TIMEOUT") << ". Peak memory: each mode alone, " << steps
        << " measured steps after 2 warm-up steps. Time: a separate interleaved pass per model and "
