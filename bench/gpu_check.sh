@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: builds fusebox against this machine's PyTorch (LibTorch 2.x with CUDA) and runs, on
 # the GPU, the plugin and step-mode equivalence tests, the trainer on a denoiser of about 1.08
-# billion parameters in the normal, fused and groups modes, and the memory benchmark (CPU only: it
-# has no device option). About 8 minutes in all; every part has its own time limit.
+# billion parameters in the normal, fused and groups modes, and the memory benchmark on the GPU.
+# About 8 minutes in all; every part has its own time limit.
 #
 #   bash bench/gpu_check.sh OUTDIR        (or OUT=OUTDIR bash bench/gpu_check.sh)
 #
@@ -12,10 +12,14 @@
 #
 # Needs: python3 with a CUDA build of PyTorch whose C++ ABI is the new one (pip wheels from 2.7
 # on; the system's Boost and GoogleTest use it), a visible NVIDIA GPU, nvcc (CUDACXX, PATH or
-# /usr/local/cuda/bin; ideally the CUDA major version PyTorch was built with), cmake >= 3.18, ninja,
-# and the Debian packages scripts/setup.sh installs (Boost, toml++, GoogleTest).
+# /usr/local/cuda/bin; ideally the CUDA major version PyTorch was built with), a C++ compiler,
+# cmake >= 3.18 and ninja or make (PATH, or beside python3 as pip installs them), and Boost,
+# toml++ and GoogleTest: the system's (scripts/setup.sh on Debian), or, on a machine that cannot
+# install packages, Debian 12's .deb files in .gpu-deps/ (made by `bash bench/gpu_deps.sh fetch`
+# on a Debian 12 machine and copied along), which this script unpacks under the build folder.
 # Environment: FUSEBOX_GPU_BUDGET_S (default 480), FUSEBOX_GPU_BUILD (default build-gpu),
-# FUSEBOX_CUDA_ARCH (CMAKE_CUDA_ARCHITECTURES, default native).
+# FUSEBOX_CUDA_ARCH (CMAKE_CUDA_ARCHITECTURES, default native; a CUDA LibTorch overrides it with
+# TORCH_CUDA_ARCH_LIST, default: the GPU's compute capability), FUSEBOX_GPU_DEPS (default .gpu-deps).
 set -uo pipefail
 
 OUT_DIR=${1:-${OUT:-}}
@@ -110,16 +114,37 @@ note "torch $(envget torch) (CUDA $(envget torch_cuda)) on $(envget device) (sm 
 if [ "${NVCC_VERSION%%.*}" != "$(envget torch_cuda | cut -d. -f1)" ]; then
   note "warning: nvcc $NVCC_VERSION and PyTorch's CUDA $(envget torch_cuda) differ in major version: the kernels then load a second CUDA runtime, which needs a driver for the newer one"
 fi
-command -v cmake >/dev/null || fail "cmake not found"
-command -v ninja >/dev/null || fail "ninja not found"
+# cmake and ninja from pip live beside python3, which need not be on PATH.
+PY_BIN=$(python3 -c 'import os, sys; print(os.path.dirname(os.path.realpath(sys.executable)))')
+PATH=$PATH:$PY_BIN:$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))')
+command -v cmake >/dev/null || fail "cmake not found (PATH, or pip install cmake)"
+command -v "${CXX:-c++}" >/dev/null || command -v g++ >/dev/null ||
+  fail "no C++ compiler (set CXX, or install g++)"
+if command -v ninja >/dev/null; then
+  GENERATOR=Ninja
+elif command -v make >/dev/null; then
+  GENERATOR="Unix Makefiles"
+else
+  fail "neither ninja nor make found (pip install ninja)"
+fi
+# LibTorch's CMake compiles the kernels for TORCH_CUDA_ARCH_LIST: this GPU's capability.
+ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(envget capability)}
 
 # ---- 2. Build (only what the checks run) ------------------------------------------------------
+# Boost, toml++ and GoogleTest carried as .deb files, for a machine that cannot install them.
+DEPS=${FUSEBOX_GPU_DEPS:-$ROOT/.gpu-deps}
+if compgen -G "$DEPS/*.deb" >/dev/null; then
+  DEPS_PREFIX=$(bash bench/gpu_deps.sh unpack "$DEPS" "$BUILD/deps") || fail "unpacking $DEPS"
+  note "build dependencies from $DEPS ($(ls "$DEPS"/*.deb | wc -l) packages), unpacked in $DEPS_PREFIX"
+  PREFIX="$DEPS_PREFIX;$PREFIX"
+fi
 export CUDACXX=$NVCC
-part "configure" 120 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$PREFIX" -DFUSEBOX_CUDA=ON \
+part "configure" 120 cmake -S . -B "$BUILD" -G "$GENERATOR" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$PREFIX" -DFUSEBOX_CUDA=ON -DTORCH_CUDA_ARCH_LIST="$ARCH_LIST" \
   -DCMAKE_CUDA_ARCHITECTURES="${FUSEBOX_CUDA_ARCH:-native}" -DFUSEBOX_BUILD_BENCH=ON ||
   fail "configure (see gpu_check.log; FUSEBOX_CUDA=ON stops there when LibTorch has no CUDA)"
-part "build" 300 ninja -C "$BUILD" plugin_tests core_tests trainer memory_bench ||
+part "build" 300 cmake --build "$BUILD" -j "$(nproc)" \
+  --target plugin_tests core_tests trainer memory_bench ||
   fail "build (see gpu_check.log)"
 
 # ---- 3. Tests on the GPU ------------------------------------------------------------------------
@@ -150,9 +175,9 @@ train adamw_fused --optimizer adamw --fused-backward-pass
 train adamw_groups --optimizer adamw --fused-optimizer-groups 4
 train adafactor_fused --optimizer-plugin adafactor_fused.so --fused-backward-pass
 
-# ---- 5. Memory benchmark (CPU: memory_bench has no device option) -------------------------------
-PART_LOG="$OUT_DIR/memory_bench_cpu.log" part "memory_bench --quick (cpu)" 45 \
-  "$BUILD/bin/memory_bench" --quick --out "$OUT_DIR/memory_bench_cpu"
+# ---- 5. Memory benchmark on the GPU: peak allocated and time per step, every mode ---------------
+PART_LOG="$OUT_DIR/memory_bench_cuda.log" part "memory_bench --quick --device cuda" 90 \
+  "$BUILD/bin/memory_bench" --quick --device cuda --out "$OUT_DIR/memory_bench_cuda"
 
 note "total $(($(date +%s) - START))s of a ${BUDGET}s budget"
 if [ $FAILED -ne 0 ]; then
