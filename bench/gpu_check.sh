@@ -19,7 +19,8 @@
 # on a Debian 12 machine and copied along), which this script unpacks under the build folder.
 # Environment: FUSEBOX_GPU_BUDGET_S (default 480), FUSEBOX_GPU_BUILD (default build-gpu),
 # FUSEBOX_CUDA_ARCH (CMAKE_CUDA_ARCHITECTURES, default native; a CUDA LibTorch overrides it with
-# TORCH_CUDA_ARCH_LIST, default: the GPU's compute capability), FUSEBOX_GPU_DEPS (default .gpu-deps).
+# TORCH_CUDA_ARCH_LIST, default: the GPU's compute capability), FUSEBOX_GPU_DEPS (default .gpu-deps),
+# FUSEBOX_GPU_BUILD_S (the build's time limit, default 300).
 set -uo pipefail
 
 OUT_DIR=${1:-${OUT:-}}
@@ -143,7 +144,7 @@ part "configure" 120 cmake -S . -B "$BUILD" -G "$GENERATOR" -DCMAKE_BUILD_TYPE=R
   -DCMAKE_PREFIX_PATH="$PREFIX" -DFUSEBOX_CUDA=ON -DTORCH_CUDA_ARCH_LIST="$ARCH_LIST" \
   -DCMAKE_CUDA_ARCHITECTURES="${FUSEBOX_CUDA_ARCH:-native}" -DFUSEBOX_BUILD_BENCH=ON ||
   fail "configure (see gpu_check.log; FUSEBOX_CUDA=ON stops there when LibTorch has no CUDA)"
-part "build" 300 cmake --build "$BUILD" -j "$(nproc)" \
+part "build" "${FUSEBOX_GPU_BUILD_S:-300}" cmake --build "$BUILD" -j "$(nproc)" \
   --target plugin_tests core_tests trainer memory_bench ||
   fail "build (see gpu_check.log)"
 
