@@ -7,8 +7,9 @@
 #   bash bench/gpu_check.sh OUTDIR        (or OUT=OUTDIR bash bench/gpu_check.sh)
 #
 # Writes OUTDIR/gpu_check.log (everything), OUTDIR/summary.txt (one line per part), the test XML,
-# each trainer run's log and output folder (metrics.jsonl, summary.json with peak memory), and the
-# environment (PyTorch, CUDA, nvcc, nvidia-smi). Exit status 0 only when every part passed.
+# each trainer run's log and output folder (metrics.jsonl, summary.json with peak memory), the
+# environment (PyTorch, CUDA, nvcc, nvidia-smi), and all of it in OUTDIR/gpu_check_results.tar.gz.
+# Exit status 0 only when every part passed.
 #
 # Needs: python3 with a CUDA build of PyTorch whose C++ ABI is the new one (pip wheels from 2.7
 # on; the system's Boost and GoogleTest use it), a visible NVIDIA GPU, nvcc (CUDACXX, PATH or
@@ -39,6 +40,14 @@ SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"
 exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
 FAILED=0
+# However the check ends: everything in one archive too, to send from a remote machine.
+pack() {
+  local tmp
+  tmp=$(mktemp) || return
+  tar -czf "$tmp" --exclude=./gpu_check_results.tar.gz -C "$OUT_DIR" . 2>/dev/null
+  mv -f "$tmp" "$OUT_DIR/gpu_check_results.tar.gz" && chmod 644 "$OUT_DIR/gpu_check_results.tar.gz"
+}
+trap pack EXIT
 
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 note() { echo "$*" | tee -a "$SUMMARY"; }

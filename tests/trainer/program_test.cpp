@@ -1,6 +1,8 @@
 // The real trainer program: exit codes and one-line errors on stderr.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
+#include <filesystem>
 #include <string>
 
 #include "../openblas_probe.h"
@@ -35,6 +37,20 @@ TEST(TrainerBinary, ErrorsAreOneLineWithNonZeroExit) {
   EXPECT_EQ(count_lines(r.err), 1);
   EXPECT_NE(r.err.find("tp_no_step_param.so does not support --fused-backward-pass"),
             std::string::npos);
+}
+
+// Without a GPU (or with a CPU-only LibTorch) --device cuda is refused before anything is made.
+TEST(TrainerBinary, DeviceCudaWithoutAGpuIsOneLineAndWritesNothing) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a GPU is visible: --device cuda trains";
+  TempDir dir;
+  auto r = run_program(
+      "--optimizer sgd --device cuda --max-train-steps 1 --output-dir " + dir.file("run"),
+      dir.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err,
+            "trainer: error: --device cuda: this LibTorch has no CUDA support or no GPU is "
+            "visible (nvidia-smi lists the GPUs); train with --device cpu\n");
+  EXPECT_FALSE(std::filesystem::exists(dir.file("run")));
 }
 
 TEST(TrainerBinary, TrainsAndPrintsPlainLinesWhenNotATerminal) {

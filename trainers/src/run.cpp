@@ -115,7 +115,9 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
 
 void check_runtime(const TrainConfig& c, std::ostream& warnings) {
   if (c.device == "cuda" && !at::hasCUDA())
-    throw Error("--device cuda: this LibTorch has no CUDA support or no GPU is visible");
+    throw Error(
+        "--device cuda: this LibTorch has no CUDA support or no GPU is visible (nvidia-smi lists "
+        "the GPUs); train with --device cpu");
   if (c.mixed_precision == "fp16" && c.device == "cpu")
     warnings << "trainer: warning: --mixed-precision fp16: LibTorch 1.13 has no fp16 autocast on "
                 "CPU; training without autocast (use bf16 on CPU)\n";
