@@ -39,9 +39,13 @@ START=$(date +%s)
 SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"
 exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
+TEE_PID=$!
 FAILED=0
-# However the check ends: everything in one archive too, to send from a remote machine.
+# However the check ends: everything in one archive too, to send from a remote machine. First the
+# log is finished: tee gets the end of its input and is waited for.
 pack() {
+  exec >/dev/null 2>&1
+  wait "$TEE_PID" 2>/dev/null || sleep 1
   local tmp
   tmp=$(mktemp) || return
   tar -czf "$tmp" --exclude=./gpu_check_results.tar.gz -C "$OUT_DIR" . 2>/dev/null
