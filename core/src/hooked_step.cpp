@@ -74,10 +74,9 @@ void HookedStep::process(size_t i) {
   } else {
     // On a GPU a scalar read stalls the stream: the check is kept on the device and read once,
     // at the end of backward (deferred_check); clipping and the sum stay on the device too.
-    if (options_.check_finite)
-      device_finite_.push_back(param.grad().scalar_type() == at::kHalf
-                                   ? at::isfinite(param.grad()).all()
-                                   : at::isfinite(norm));
+    // The norm is non-finite when a value is (half and bfloat16 norms are float, so they do not
+    // overflow from finite half values); a float32 norm also overflows above about 1.8e19.
+    if (options_.check_finite) device_finite_.push_back(at::isfinite(norm));
     device_index_.push_back(i);
     if (options_.max_grad_norm > 0) clip_by_norm_(param, norm, options_.max_grad_norm);
     add_sq(sum_sq_, norm);
@@ -101,7 +100,9 @@ void HookedStep::deferred_check() {
   const std::string name = names_[device_index_[bad]];
   device_finite_.clear();
   device_index_.clear();
-  throw NonFiniteError("non-finite gradient in parameter '" + name + "' (on " +
+  throw NonFiniteError("non-finite gradient in parameter '" + name +
+                       "' (a NaN or infinite value, "
+                       "or a norm beyond float's range; on " +
                        params_[0].device().str() +
                        " the check runs once, at the end of the backward pass: parameters "
                        "updated in this pass may hold non-finite values; resume from the last "

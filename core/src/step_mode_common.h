@@ -20,7 +20,8 @@ std::function<void(const std::string&)> warner(const StepOptions& o);
 /// The L2 norm of `grad` as a 0-d tensor on its device. Every mode takes its norms from here, so
 /// they clip alike bit for bit. Contiguous float/double host tensors use BLAS's dot product
 /// (sqrt(g·g)): 1.5-2.5x faster than at::norm on this CPU, and the norm is needed for every
-/// gradient of every step (non-finite check, clipping, statistics).
+/// gradient of every step (non-finite check, clipping, statistics). Half and bfloat16 gradients
+/// get a float norm, summed in float or wider: a half norm does not overflow above 65504.
 at::Tensor grad_norm(const at::Tensor& grad);
 /// True when `param.grad()` holds only finite values (one host sync).
 bool grad_is_finite(const at::Tensor& param);

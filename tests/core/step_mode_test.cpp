@@ -2,6 +2,7 @@
 // only the gradients they promise alive; every parameter steps exactly once per backward.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <set>
 
 #include "fusebox/core/lr_scheduler.h"
@@ -213,12 +214,13 @@ TEST(StepModes, PluginExceptionInsideHookReachesCallerWithItsOwnMessage) {
 
 // `mode_name` (normal, fused, or groups: 2 by count) over `g`, with the plugin's defaults.
 std::unique_ptr<StepMode> make_mode(const std::string& mode_name, const LoadedPlugin& plugin,
-                                    const ParamGroup& g) {
+                                    const ParamGroup& g, const StepOptions& o = {}) {
   const HyperParams hp = plugin.validate({});
-  if (mode_name == "normal") return make_normal_step(plugin.create({g}, hp));
-  if (mode_name == "fused") return make_fused_backward(plugin.create({g}, hp));
-  return make_optimizer_groups({g}, 2, SplitPolicy::Count,
-                               [&](std::vector<ParamGroup> x) { return plugin.create(x, hp); });
+  if (mode_name == "normal") return make_normal_step(plugin.create({g}, hp), o);
+  if (mode_name == "fused") return make_fused_backward(plugin.create({g}, hp), o);
+  return make_optimizer_groups(
+      {g}, 2, SplitPolicy::Count, [&](std::vector<ParamGroup> x) { return plugin.create(x, hp); },
+      o);
 }
 
 TEST(StepModes, NonFiniteGradientStopsBeforeTheParameterIsUpdated) {
@@ -259,6 +261,44 @@ TEST(StepModes, FiniteGradientWithOverflowingNormIsStepped) {
     EXPECT_TRUE(at::isfinite(a).all().item<bool>()) << mode_name;
     EXPECT_FALSE(at::equal(a, at::ones({4}))) << mode_name << ": a was not stepped";
     EXPECT_FALSE(at::equal(b, at::ones({2}))) << mode_name << ": b was not stepped";
+  }
+}
+
+// Half and bfloat16 gradients: the reported norm is the true one (LibTorch 1.13's own half norm
+// sums in half on the CPU and is far off), a half norm above 65504 does not overflow, and
+// clipping with it scales the gradient instead of zeroing it, alike in every mode.
+TEST(StepModes, HalfAndBFloat16GradNormsAreExactEnoughAndClipAlike) {
+  auto plugin = registry().load_file("sgd.so");
+  for (at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
+    at::manual_seed(0);
+    // 2^20 values of about 100 (norm about 1e5, past half's 65504) plus a small second tensor.
+    const at::Tensor w = (at::randn({1 << 20}) * 100).to(dtype);
+    const at::Tensor v = at::randn({8}).to(dtype);
+    const double expected = std::sqrt(w.to(at::kDouble).square().sum().item<double>() +
+                                      v.to(at::kDouble).square().sum().item<double>());
+    std::vector<at::Tensor> stepped;
+    for (std::string mode_name : {"normal", "fused", "groups"}) {
+      at::Tensor a = at::zeros({1 << 20}, dtype).requires_grad_(true);
+      at::Tensor b = at::zeros({8}, dtype).requires_grad_(true);
+      ParamGroup g;
+      g.params = {a, b};
+      g.names = {"a", "b"};
+      g.lr = 1.0;
+      StepOptions o;
+      o.max_grad_norm = 1.0;
+      o.clip_per_tensor = mode_name != "normal";  // fused and groups clip each tensor
+      std::unique_ptr<StepMode> mode = make_mode(mode_name, *plugin, g, o);
+      mode->backward((a * w).sum() + (b * v).sum());
+      const StepStats stats = mode->step();
+      // bfloat16 norms are rounded to 8 bits on the CPU (relative 2^-9), half ones are not.
+      const double tolerance = dtype == at::kHalf ? 1e-4 : 4e-3;
+      EXPECT_NEAR(stats.grad_norm, expected, tolerance * expected) << mode_name << " " << dtype;
+      // a's gradient, w, was clipped to norm 1 (not to 0): a = -w / |w| after one SGD step.
+      const double moved = a.to(at::kDouble).norm().item<double>();
+      EXPECT_NEAR(moved, 1.0, 2e-2) << mode_name << " " << dtype << ": a moved by " << moved;
+      stepped.push_back(a.detach().clone());
+    }
+    EXPECT_TRUE(at::equal(stepped[1], stepped[2])) << dtype << ": fused and groups differ";
   }
 }
 
