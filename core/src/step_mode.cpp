@@ -26,7 +26,8 @@ namespace detail {
 
 std::function<void(const std::string&)> warner(const StepOptions& o) {
   if (o.warn) return o.warn;
-  return [](const std::string& m) { std::cerr << "fusebox: warning: " << m << "\n"; };
+  // One write per line: processes of a data-parallel job share stderr.
+  return [](const std::string& m) { std::cerr << ("fusebox: warning: " + m + "\n") << std::flush; };
 }
 
 namespace {

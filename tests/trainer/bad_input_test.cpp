@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <sstream>
+#include <streambuf>
+#include <vector>
 
 #include "trainer_test_util.h"
 
@@ -119,4 +122,38 @@ TEST(TrainerBadInput, NonFiniteSkipPolicyIsNormalModeOnly) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("--on-non-finite: skip is possible only in normal mode"), std::string::npos)
       << r.err;
+}
+
+namespace {
+
+// Records every piece an ostream hands to its buffer: each piece is one write(2) on an
+// unbuffered stderr, and the ranks of a data-parallel job share that stderr.
+class PieceRecorder : public std::streambuf {
+ public:
+  std::vector<std::string> pieces;
+
+ protected:
+  std::streamsize xsputn(const char* s, std::streamsize n) override {
+    pieces.emplace_back(s, static_cast<size_t>(n));
+    return n;
+  }
+  int_type overflow(int_type c) override {
+    if (c != traits_type::eof()) pieces.emplace_back(1, traits_type::to_char_type(c));
+    return c;
+  }
+};
+
+}  // namespace
+
+// An error line written piece by piece interleaves with another rank's ("trainer: error: trainer:
+// error: rank 1: rank 0: ..."): it must go out whole.
+TEST(TrainerErrors, AnErrorLineIsWrittenInOnePiece) {
+  PieceRecorder recorder;
+  std::ostream err(&recorder);
+  std::ostringstream out;
+  const int code = fusebox::trainer::trainer_main({"--optimizer", "sgd", "--max-train-steps=0"},
+                                                  out, err, false);
+  EXPECT_EQ(code, 2);
+  ASSERT_EQ(recorder.pieces.size(), 1u);
+  EXPECT_EQ(recorder.pieces[0], "trainer: error: --max-train-steps: must be at least 1, got 0\n");
 }

@@ -213,7 +213,8 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
 
 int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err,
                  bool terminal) {
-  // In a data-parallel job every rank reports its own failure; say which rank it was.
+  // In a data-parallel job every rank reports its own failure; say which rank it was. Each line
+  // goes out in one write: the ranks share stderr, and lines written piece by piece interleave.
   std::string who;
   if (launched_as_rank())
     if (const char* r = std::getenv("RANK")) who = std::string("rank ") + r + ": ";
@@ -221,16 +222,17 @@ int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::o
     return run(args, out, err, terminal);
   } catch (const TrainingFailed& e) {
     out.flush();
-    err << "trainer: error: " << who << e.what() << "\n";
+    err << ("trainer: error: " + who + e.what() + "\n") << std::flush;
     return kExitTraining;
   } catch (const Error& e) {
     out.flush();
-    err << "trainer: error: " << who << e.what() << "\n";
+    err << ("trainer: error: " + who + e.what() + "\n") << std::flush;
     return kExitUsage;
   } catch (const std::exception& e) {
     out.flush();
     std::string msg = e.what();
-    err << "trainer: error: " << who << "internal: " << msg.substr(0, msg.find('\n')) << "\n";
+    err << ("trainer: error: " + who + "internal: " + msg.substr(0, msg.find('\n')) + "\n")
+        << std::flush;
     return kExitInternal;
   }
 }
