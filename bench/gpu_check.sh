@@ -19,8 +19,8 @@
 # install packages, Debian 12's .deb files in .gpu-deps/ (made by `bash bench/gpu_deps.sh fetch`
 # on a Debian 12 machine and copied along), which this script unpacks under the build folder.
 # Environment: FUSEBOX_GPU_BUDGET_S (default 480), FUSEBOX_GPU_BUILD (default build-gpu),
-# FUSEBOX_CUDA_ARCH (CMAKE_CUDA_ARCHITECTURES, default native; a CUDA LibTorch overrides it with
-# TORCH_CUDA_ARCH_LIST, default: the GPU's compute capability), FUSEBOX_GPU_DEPS (default .gpu-deps),
+# TORCH_CUDA_ARCH_LIST (the kernels' architectures: a CUDA LibTorch ignores CMAKE_CUDA_ARCHITECTURES;
+# default: the GPU's compute capability), FUSEBOX_GPU_DEPS (default .gpu-deps),
 # FUSEBOX_GPU_BUILD_S (the build's time limit, default 300).
 set -uo pipefail
 
@@ -129,8 +129,8 @@ if [ "${NVCC_VERSION%%.*}" != "$(envget torch_cuda | cut -d. -f1)" ]; then
   note "warning: nvcc $NVCC_VERSION and PyTorch's CUDA $(envget torch_cuda) differ in major version: the kernels then load a second CUDA runtime, which needs a driver for the newer one"
 fi
 # cmake and ninja from pip live beside python3, which need not be on PATH.
-PY_BIN=$(python3 -c 'import os, sys; print(os.path.dirname(os.path.realpath(sys.executable)))')
-PATH=$PATH:$PY_BIN:$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))')
+PATH=$PATH:$(python3 -c 'import os, sys; e = sys.executable
+print(os.path.dirname(e) + ":" + os.path.dirname(os.path.realpath(e)))')
 command -v cmake >/dev/null || fail "cmake not found (PATH, or pip install cmake)"
 command -v "${CXX:-c++}" >/dev/null || command -v g++ >/dev/null ||
   fail "no C++ compiler (set CXX, or install g++)"
@@ -155,7 +155,7 @@ fi
 export CUDACXX=$NVCC
 part "configure" 120 cmake -S . -B "$BUILD" -G "$GENERATOR" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$PREFIX" -DFUSEBOX_CUDA=ON -DTORCH_CUDA_ARCH_LIST="$ARCH_LIST" \
-  -DCMAKE_CUDA_ARCHITECTURES="${FUSEBOX_CUDA_ARCH:-native}" -DFUSEBOX_BUILD_BENCH=ON ||
+  -DFUSEBOX_BUILD_BENCH=ON ||
   fail "configure (see gpu_check.log; FUSEBOX_CUDA=ON stops there when LibTorch has no CUDA)"
 part "build" "${FUSEBOX_GPU_BUILD_S:-300}" cmake --build "$BUILD" -j "$(nproc)" \
   --target plugin_tests core_tests trainer memory_bench ||

@@ -78,8 +78,7 @@ if [ $cuda -eq 1 ]; then
   # without checking the libraries' own undefined symbols. Plugins and libraries link as always.
   cmake_args="$cmake_args -DFUSEBOX_CUDA=ON -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined"
   # scripts/cudnn-stand-in.sh makes the stand-in (see above) inside the tree.
-  tests="bash /src/scripts/cudnn-stand-in.sh /root/cudnn-stub && cd /root/build &&
-LD_LIBRARY_PATH=/root/cudnn-stub $tests"
+  tests="bash /src/scripts/cudnn-stand-in.sh /root/cudnn-stub && LD_LIBRARY_PATH=/root/cudnn-stub $tests"
 fi
 # What runs inside the tree; the build lives there too (/root/build), not in the source tree.
 cat >"$root/fusebox-check.sh" <<INNER

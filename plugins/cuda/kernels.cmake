@@ -25,7 +25,7 @@ if(NOT CMAKE_CUDA_COMPILER)
   return()
 endif()
 # Ampere and Hopper by default (CUDA 13 supports sm_75 and newer); override with
-# -DCMAKE_CUDA_ARCHITECTURES=... (e.g. native on the GPU machine).
+# -DCMAKE_CUDA_ARCHITECTURES=... A CUDA LibTorch turns this off and uses TORCH_CUDA_ARCH_LIST.
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES 80 90)
 endif()
