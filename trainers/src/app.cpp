@@ -169,23 +169,26 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     return kExitOk;
   }
 
+  // Data parallel: --nproc-per-node starts the ranks; a rank joins the job.
+  const int64_t nproc = std::get<int64_t>(top.values.at("nproc-per-node").value);
+  const bool launching = nproc > 1 && !launched_as_rank();
+  Distributed dist;
+  dist.config = launching ? DistributedConfig{} : distributed_config_from_env();
+  // The launcher checks for the last rank it will start, so that no rank starts in vain.
+  const int local_rank = launching ? static_cast<int>(nproc) - 1 : dist.config.local_rank;
+  const int local_ranks = launching ? static_cast<int>(nproc) : dist.config.local_world_size;
   for (auto& p : plan) {
-    check_runtime(p.config, err);
+    check_runtime(p.config, local_rank, local_ranks, err);
     p.config.output_dir = run_output_dir(p.config.output_dir, p.config.name);
     if (p.config.save_model)
       p.config.save_model = run_model_path(*p.config.save_model, p.config.name);
   }
 
-  // Data parallel: --nproc-per-node starts the ranks; a rank joins the job.
-  const int64_t nproc = std::get<int64_t>(top.values.at("nproc-per-node").value);
   if ((nproc > 1 || launched_as_rank()) && !distributed_available())
     throw Error(
         "--nproc-per-node: this build of fusebox has no distributed support (install "
         "libgloo-dev and rebuild)");
-  if (nproc > 1 && !launched_as_rank())
-    return launch_local_ranks(args, nproc, plan.front().config.dist_timeout + 10, err);
-  Distributed dist;
-  dist.config = distributed_config_from_env();
+  if (launching) return launch_local_ranks(args, nproc, plan.front().config.dist_timeout + 10, err);
   if (dist.config.world_size > 1) {
     dist.config.timeout =
         std::chrono::milliseconds(static_cast<int64_t>(plan.front().config.dist_timeout * 1000));

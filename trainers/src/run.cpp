@@ -10,6 +10,7 @@
 #include "data.h"
 #include "fusebox/core/autocast.h"
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/device.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/memory_accounting.h"
 #include "fusebox/core/memory_tracker.h"
@@ -113,11 +114,8 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
   return plugin.validate(args);
 }
 
-void check_runtime(const TrainConfig& c, std::ostream& warnings) {
-  if (c.device == "cuda" && !at::hasCUDA())
-    throw Error(
-        "--device cuda: this LibTorch has no CUDA support or no GPU is visible (nvidia-smi lists "
-        "the GPUs); train with --device cpu");
+void check_runtime(const TrainConfig& c, int local_rank, int local_ranks, std::ostream& warnings) {
+  if (c.device == "cuda") gpu_for_local_rank(local_rank, local_ranks, visible_gpus());
   if (c.mixed_precision == "fp16" && c.device == "cpu")
     warnings << "trainer: warning: --mixed-precision fp16: LibTorch 1.13 has no fp16 autocast on "
                 "CPU; training without autocast (use bf16 on CPU)\n";
@@ -151,7 +149,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       set_compute_threads(static_cast<int>(threads), static_cast<int>(blas_threads));
   at::manual_seed(static_cast<uint64_t>(c.seed));
   memory::mark_phase("setup");
-  const c10::Device device(c.device == "cuda" ? c10::kCUDA : c10::kCPU);
+  const c10::Device device =
+      select_device({c.device, dist.config.local_rank, dist.config.local_world_size});
   const at::ScalarType dtype = param_dtype(c);
   const at::ScalarType loss_dtype = c.dtype == "float64" ? at::kDouble : at::kFloat;
 

@@ -36,9 +36,10 @@ class TrainingFailed : public Error {
 /// (--learning-rate becomes lr; --full-bf16 turns on stochastic_rounding when the plugin has it).
 HyperParams plugin_hyperparams(const TrainConfig& config, const LoadedPlugin& plugin);
 
-/// Checks what needs LibTorch: the device exists; warns about precision settings that cannot
-/// take effect.
-void check_runtime(const TrainConfig& config, std::ostream& warnings);
+/// Checks what needs LibTorch: the device exists (on CUDA, a GPU for local rank `local_rank` of
+/// `local_ranks`); warns about precision settings that cannot take effect.
+void check_runtime(const TrainConfig& config, int local_rank, int local_ranks,
+                   std::ostream& warnings);
 
 /// Trains one run. Set-up problems throw Error; failures during training throw TrainingFailed.
 RunSummary run_training(const TrainConfig& config, const LoadedPlugin& plugin,
