@@ -103,7 +103,7 @@ class Adafactor final : public fusebox::Optimizer {
         p.mul_(1.0 - weight_decay_ * rho);
     }
     p.sub_(u);
-    fusebox::write_back(param, p, stochastic_);
+    fusebox::write_back(param, p, stochastic_, rounding_seed(param));
   }
 
  private:

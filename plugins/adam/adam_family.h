@@ -60,7 +60,7 @@ class AdamFamily final : public fusebox::Optimizer {
     fusebox::adam_step_(p, g, state["exp_avg"], state["exp_avg_sq"],
                         amsgrad_ ? state["max_exp_avg_sq"] : at::Tensor(), state.step, lr, beta1_,
                         beta2_, eps_);
-    fusebox::write_back(param, p, stochastic_);
+    fusebox::write_back(param, p, stochastic_, rounding_seed(param));
   }
 
  private:

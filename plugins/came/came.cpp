@@ -62,7 +62,7 @@ class Came final : public fusebox::Optimizer {
     const double lr = this->lr(group);
     if (weight_decay_ != 0) p.mul_(1.0 - weight_decay_ * lr);
     p.sub_(u, lr);
-    fusebox::write_back(param, p, stochastic_);
+    fusebox::write_back(param, p, stochastic_, rounding_seed(param));
   }
 
  private:

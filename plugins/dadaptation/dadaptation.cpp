@@ -90,7 +90,7 @@ class DAdaptAdam final : public fusebox::Optimizer {
         at::Tensor p = fusebox::fp32_view(param);
         if (weight_decay_ != 0 && decouple_) p.mul_(1 - weight_decay_ * dlr);
         p.addcdiv_(st["exp_avg"], st["exp_avg_sq"].sqrt().add_(eps_), -1.0);
-        fusebox::write_back(param, p, stochastic_);
+        fusebox::write_back(param, p, stochastic_, rounding_seed(param));
       }
     k += 1;
     finish_step();

@@ -33,7 +33,7 @@ class Lion final : public fusebox::Optimizer {
     if (weight_decay_ != 0) p.mul_(1.0 - lr * weight_decay_);
     p.add_(m.mul(beta1_).add_(g, 1.0 - beta1_).sign_(), -lr);
     m.mul_(beta2_).add_(g, 1.0 - beta2_);
-    fusebox::write_back(param, p, stochastic_);
+    fusebox::write_back(param, p, stochastic_, rounding_seed(param));
   }
 
  private:

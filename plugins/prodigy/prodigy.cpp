@@ -115,7 +115,7 @@ class Prodigy final : public fusebox::Optimizer {
           if (weight_decay_ != 0 && decouple_) p.mul_(1 - weight_decay_ * dlr);
           p.addcdiv_(st["exp_avg"], denom, -dlr);
         }
-        fusebox::write_back(param, p, stochastic_);
+        fusebox::write_back(param, p, stochastic_, rounding_seed(param));
       }
     k += 1;
     finish_step();

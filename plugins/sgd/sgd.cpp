@@ -42,7 +42,7 @@ class Sgd final : public fusebox::Optimizer {
     }
     ++state.step;
     p.add_(grad, -lr(group));
-    fusebox::write_back(param, p, stochastic_);
+    fusebox::write_back(param, p, stochastic_, rounding_seed(param));
   }
 
  private:

@@ -45,9 +45,11 @@ struct Result {
 };
 
 Result train(const LoadedPlugin& plugin, const TinyLm& init, const ModeRun& run, int steps = 4,
-             bool track_bytes = false) {
+             bool track_bytes = false, const UserArgs& extra = {}) {
   TinyLm model = init.clone();
-  HyperParams hp = plugin.validate(args_for(plugin));
+  UserArgs args = args_for(plugin);
+  for (const auto& [k, v] : extra) args[k] = v;
+  HyperParams hp = plugin.validate(args);
   Result r;
   StepOptions o;
   o.max_grad_norm = run.max_grad_norm;
@@ -112,6 +114,26 @@ TEST(StepModes, FusedAndGroupsEqualNormalBitForBitForEveryPerParameterPlugin) {
             normal, train(*plugin, init, {"groups", n, policy}),
             "groups " + std::to_string(n) + (policy == SplitPolicy::Size ? " size" : " count"));
   }
+}
+
+// bf16 parameters with stochastic rounding: the noise is seeded per parameter and step, so the
+// order in which the modes update parameters does not change the result.
+TEST(StepModes, StochasticRoundingOfBFloat16IsTheSameInEveryMode) {
+  const TinyLm init(at::kBFloat16);
+  const UserArgs stochastic{{"stochastic_rounding", UserArg{std::monostate{}, "true", "test"}}};
+  int tested = 0;
+  for (const auto& plugin : step_param_plugins()) {
+    if (!plugin->schema().find("stochastic_rounding")) continue;
+    SCOPED_TRACE(plugin->info().name);
+    ++tested;
+    Result normal = train(*plugin, init, {"normal"}, 4, false, stochastic);
+    EXPECT_FALSE(at::equal(normal.params[0], init.params[0].detach()));
+    expect_identical(normal, train(*plugin, init, {"fused"}, 4, false, stochastic), "fused");
+    expect_identical(normal,
+                     train(*plugin, init, {"groups", 3, SplitPolicy::Count}, 4, false, stochastic),
+                     "groups 3 count");
+  }
+  EXPECT_GE(tested, 5);
 }
 
 TEST(StepModes, WithClippingFusedEqualsNormalWithPerTensorClipping) {

@@ -180,6 +180,18 @@ class FUSEBOX_VISIBLE Optimizer {
   /// Mutable access to groups, for algorithms overriding step().
   std::vector<ParamGroup>& groups() { return groups_; }
 
+  /// A seed for the randomness of `param`'s current update (stochastic rounding: pass it to
+  /// write_back). It depends only on the run's seed (at::manual_seed), the parameter's name and
+  /// its step count, never on the order in which parameters are updated, so the normal loop, the
+  /// fused backward pass, any grouping and a resumed run draw the same numbers.
+  uint64_t rounding_seed(const at::Tensor& param) const {
+    const Slot s = locate(param);
+    const uint64_t run_seed = at::detail::getDefaultCPUGenerator().current_seed();
+    uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of the name: the same in every process
+    for (unsigned char c : groups_[s.group].names[s.index]) h = (h ^ c) * 0x100000001b3ull;
+    return mix64_(mix64_(run_seed ^ h) + static_cast<uint64_t>(states_[s.group][s.index].step));
+  }
+
  private:
   struct Slot {
     size_t group, index;
@@ -188,6 +200,12 @@ class FUSEBOX_VISIBLE Optimizer {
     auto it = slots_.find(param.unsafeGetTensorImpl());
     if (it == slots_.end()) throw Error("step_param: tensor is not a parameter of this optimizer");
     return it->second;
+  }
+  static uint64_t mix64_(uint64_t x) {  // splitmix64's finaliser: nearby inputs, unrelated outputs
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
   }
   static at::Tensor scalar_tensor_(double v);
   static double scalar_value_(const at::Tensor& t);

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -115,22 +117,43 @@ inline at::Tensor fp32_view(const at::Tensor& t) {
 /// Writes fp32 `src` into bf16 `dst` with stochastic rounding: a uniform integer in [0, 2^16) is
 /// added to the fp32 bit pattern and the low 16 bits are cleared, which rounds up with probability
 /// equal to the discarded fraction (unbiased in expectation; exact values stay exact).
-/// Draws from the default generator of `src`'s device, so a seeded run is reproducible.
-inline void copy_stochastic_(const at::Tensor& dst, const at::Tensor& src) {
+/// The noise comes from `generator`, or the default generator of `src`'s device when undefined.
+inline void copy_stochastic_(const at::Tensor& dst, const at::Tensor& src,
+                             const at::Generator& generator = {}) {
   TORCH_CHECK(dst.scalar_type() == at::kBFloat16 && src.scalar_type() == at::kFloat,
               "copy_stochastic_ needs a bf16 destination and an fp32 source");
   at::Tensor bits = src.contiguous().view(at::kInt);
-  at::Tensor noise = at::randint_like(bits, 0, 1 << 16);
+  at::Tensor noise = at::empty_like(bits);
+  if (generator.defined())
+    noise.random_(0, 1 << 16, generator);
+  else
+    noise.random_(0, 1 << 16);
   at::Tensor rounded = (bits + noise).bitwise_and_(static_cast<int64_t>(-65536));
   dst.copy_(rounded.view(at::kFloat));
 }
 
+/// A generator of `device`'s kind seeded with `seed`, apart from the default one.
+inline at::Generator seeded_generator(const at::Device& device, uint64_t seed) {
+  at::Generator def = at::globalContext().defaultGenerator(device);
+  at::Generator g;
+  {
+    std::lock_guard<std::mutex> lock(def.mutex());
+    g = def.clone();
+  }
+  g.set_current_seed(seed);
+  return g;
+}
+
 /// Writes the fp32 result `work` back into `param` if `param` is low precision: by stochastic
 /// rounding for bf16 when `stochastic`, else round-to-nearest. No-op when `work` is `param`.
-inline void write_back(const at::Tensor& param, const at::Tensor& work, bool stochastic) {
+/// Inside an Optimizer pass `seed` = rounding_seed(param): the noise then does not depend on the
+/// order of updates, so every step mode rounds alike. Without it the noise comes from the
+/// device's default generator, in whatever order parameters are updated.
+inline void write_back(const at::Tensor& param, const at::Tensor& work, bool stochastic,
+                       std::optional<uint64_t> seed = std::nullopt) {
   if (work.is_same(param)) return;
   if (stochastic && param.scalar_type() == at::kBFloat16)
-    copy_stochastic_(param, work);
+    copy_stochastic_(param, work, seed ? seeded_generator(work.device(), *seed) : at::Generator());
   else
     param.copy_(work);
 }

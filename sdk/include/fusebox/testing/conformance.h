@@ -427,6 +427,48 @@ inline void check_step_equals_step_param(const Target& t) {
   detail::expect_moved(init, a);
 }
 
+/// supports_step_param with a `stochastic_rounding` key: bf16 parameters rounded stochastically
+/// come out the same whatever order they are updated in (the noise must be seeded per parameter,
+/// e.g. write_back(param, work, stochastic, rounding_seed(param))), and differ from rounding to
+/// nearest.
+inline void check_stochastic_rounding_is_order_free(const Target& t) {
+  std::shared_ptr<LoadedPlugin> p = load(t);
+  if (!p->has(kSupportsStepParam)) GTEST_SKIP() << "no supports_step_param";
+  if (!p->schema().find("stochastic_rounding")) GTEST_SKIP() << "no stochastic_rounding key";
+  auto run = [&](bool stochastic, bool backward_order) {
+    UserArgs args = user_args(t);
+    args["stochastic_rounding"] =
+        UserArg{std::monostate{}, stochastic ? "true" : "false", "conformance"};
+    const HyperParams hp = p->validate(args);
+    detail::Model m(at::kBFloat16);
+    std::shared_ptr<Optimizer> opt = p->create(m.groups(), hp);
+    for (int64_t s = 0; s < detail::kSteps; ++s) {
+      at::manual_seed(100 + s);
+      for (auto& param : m.params)
+        param.mutable_grad() =
+            (at::randn(param.sizes(), at::TensorOptions().dtype(at::kDouble)) * 0.5)
+                .to(at::kBFloat16);
+      if (backward_order) {
+        for (size_t i = m.params.size(); i-- > 0;) opt->step_param(m.params[i]);
+        at::NoGradGuard no_grad;
+        opt->finish_step();
+      } else {
+        opt->step();
+      }
+      opt->zero_grad();
+    }
+    return m;
+  };
+  const detail::Model forward = run(true, false);
+  detail::expect_identical(forward, run(true, true),
+                           "stochastic rounding, step() vs step_param() in backward order");
+  const detail::Model nearest = run(false, false);
+  bool differs = false;
+  for (size_t i = 0; i < forward.params.size(); ++i)
+    differs = differs || !at::equal(forward.params[i], nearest.params[i]);
+  EXPECT_TRUE(differs) << "stochastic_rounding=true gave the same bf16 values as false";
+}
+
 /// supports_step_param: the fused backward pass equals the normal loop, bit for bit.
 inline void check_fused_equals_normal(const Target& t) {
   std::shared_ptr<LoadedPlugin> p = load(t);
@@ -598,6 +640,9 @@ class Fixture : public ::testing::TestWithParam<Target> {};
   TEST_P(Suite, RejectsInvalid) { ::fusebox::conformance::check_rejects_invalid(GetParam()); }  \
   TEST_P(Suite, StepEqualsStepParam) {                                                          \
     ::fusebox::conformance::check_step_equals_step_param(GetParam());                           \
+  }                                                                                             \
+  TEST_P(Suite, StochasticRoundingIsOrderFree) {                                                \
+    ::fusebox::conformance::check_stochastic_rounding_is_order_free(GetParam());                \
   }                                                                                             \
   TEST_P(Suite, FusedEqualsNormal) {                                                            \
     ::fusebox::conformance::check_fused_equals_normal(GetParam());                              \
