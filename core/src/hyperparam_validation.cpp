@@ -1,5 +1,6 @@
 #include "fusebox/core/hyperparam_validation.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -9,6 +10,26 @@
 
 namespace fusebox {
 
+bool parse_real(const std::string& t, double& out) {
+  // Decimal only, as in TOML (strtod would also take "0x1p3"); too large a magnitude is +-inf, for
+  // the range check to refuse by value, and too small a one is the nearest double (0 or subnormal).
+  if (t.empty() || std::isspace(static_cast<unsigned char>(t.front())) ||
+      t.find_first_of("xX") != std::string::npos)
+    return false;
+  char* end = nullptr;
+  errno = 0;
+  out = std::strtod(t.c_str(), &end);
+  return end == t.c_str() + t.size();
+}
+
+bool parse_integer(const std::string& t, int64_t& out) {
+  if (t.empty() || std::isspace(static_cast<unsigned char>(t.front()))) return false;
+  char* end = nullptr;
+  errno = 0;
+  out = std::strtoll(t.c_str(), &end, 10);
+  return end == t.c_str() + t.size() && errno != ERANGE;
+}
+
 namespace {
 
 std::string trim(const std::string& s) {
@@ -16,23 +37,9 @@ std::string trim(const std::string& s) {
   return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
 }
 
-bool parse_double(const std::string& text, double& out) {
-  std::string t = trim(text);
-  if (t.empty()) return false;
-  char* end = nullptr;
-  errno = 0;
-  out = std::strtod(t.c_str(), &end);
-  return end == t.c_str() + t.size() && errno != ERANGE;
-}
+bool parse_double(const std::string& text, double& out) { return parse_real(trim(text), out); }
 
-bool parse_int(const std::string& text, int64_t& out) {
-  std::string t = trim(text);
-  if (t.empty()) return false;
-  char* end = nullptr;
-  errno = 0;
-  out = std::strtoll(t.c_str(), &end, 10);
-  return end == t.c_str() + t.size() && errno != ERANGE;
-}
+bool parse_int(const std::string& text, int64_t& out) { return parse_integer(trim(text), out); }
 
 bool is_none_text(const std::string& t) {
   std::string s = trim(t);

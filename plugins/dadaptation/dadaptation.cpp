@@ -17,8 +17,9 @@ class DAdaptAdam final : public fusebox::Optimizer {
     s.flag("use_bias_correction", false, "Adam bias correction folded into the step size");
     s.real("d0", 1e-6, "initial estimate of d").above(0);
     s.real("growth_rate", std::numeric_limits<double>::infinity(),
-           "largest factor by which d may grow per step")
-        .at_least(1);
+           "largest factor by which d may grow per step (inf: unlimited)")
+        .at_least(1)
+        .at_most(std::numeric_limits<double>::infinity());
     s.flag("stochastic_rounding", false, "round bf16 parameters stochastically on write-back");
   }
 

@@ -23,8 +23,9 @@ class Prodigy final : public fusebox::Optimizer {
     s.real("d0", 1e-6, "initial estimate of d").above(0);
     s.real("d_coef", 1.0, "multiplier of the estimated d").above(0);
     s.real("growth_rate", std::numeric_limits<double>::infinity(),
-           "largest factor by which d may grow per step")
-        .at_least(1);
+           "largest factor by which d may grow per step (inf: unlimited)")
+        .at_least(1)
+        .at_most(std::numeric_limits<double>::infinity());
     s.integer("slice_p", 1, "estimate d from every slice_p-th element (saves memory)").at_least(1);
     s.flag("stochastic_rounding", false, "round bf16 parameters stochastically on write-back");
   }

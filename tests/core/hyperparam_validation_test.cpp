@@ -1,6 +1,9 @@
 // Schema validation: unknown keys, types, ranges and rules each give one line naming plugin+key.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
 #include "fusebox/core/hyperparam_validation.h"
 
 using namespace fusebox;
@@ -75,7 +78,7 @@ TEST(HyperparamValidation, UnknownKeySuggestsNearest) {
 TEST(HyperparamValidation, WrongTypeOutOfRangeEnumAndRule) {
   EXPECT_NE(error_of(cli({{"lr", "fast"}})).find("'lr': 'fast' is not a number"),
             std::string::npos);
-  EXPECT_NE(error_of(cli({{"lr", "-1"}})).find("'lr': -1 is outside (0, inf]"), std::string::npos);
+  EXPECT_NE(error_of(cli({{"lr", "-1"}})).find("'lr': -1 is outside (0, inf)"), std::string::npos);
   EXPECT_NE(error_of(cli({{"betas", "(0.9,1.0)"}})).find("each value must be in [0, 1)"),
             std::string::npos);
   EXPECT_NE(error_of(cli({{"slice_p", "0"}})).find("'slice_p'"), std::string::npos);
@@ -83,6 +86,23 @@ TEST(HyperparamValidation, WrongTypeOutOfRangeEnumAndRule) {
   EXPECT_NE(error_of(cli({{"nesterov", "true"}})).find("(nesterov,lr): nesterov needs lr"),
             std::string::npos);
   EXPECT_NE(error_of(cli({{"slice_p", "none"}})).find("none is not allowed"), std::string::npos);
+}
+
+// An unbounded end is open: inf reaches a plugin (and a parameter) only where a bound admits it.
+TEST(HyperparamValidation, InfinityIsRefusedUnlessABoundAdmitsIt) {
+  for (const std::string v : {"inf", "1e400", "Infinity"})
+    EXPECT_NE(error_of(cli({{"lr", v}})).find("'lr': inf is outside (0, inf)"), std::string::npos)
+        << v << ": " << error_of(cli({{"lr", v}}));
+  EXPECT_NE(error_of(cli({{"betas", "(-inf,0.5)"}})).find("'betas'"), std::string::npos);
+  Schema s;
+  s.real("growth", std::numeric_limits<double>::infinity(), "unlimited by default")
+      .at_least(1)
+      .at_most(std::numeric_limits<double>::infinity());
+  s.real("free", 0.0, "no bounds declared");
+  EXPECT_TRUE(std::isinf(validate_hyperparams(s, "demo", {}).real("growth")));
+  EXPECT_TRUE(std::isinf(validate_hyperparams(s, "demo", cli({{"growth", "inf"}})).real("growth")));
+  EXPECT_THROW(validate_hyperparams(s, "demo", cli({{"free", "-inf"}})), Error);
+  EXPECT_EQ(validate_hyperparams(s, "demo", cli({{"free", "-1e300"}})).real("free"), -1e300);
 }
 
 TEST(HyperparamValidation, RealDeclaresFromANumberNoneOrAValue) {

@@ -242,7 +242,7 @@ TEST(TrainerProgram, ListAndDescribePlugins) {
   EXPECT_NE(r.out.find("broken: "), std::string::npos) << r.out;  // e.g. tp_no_entry.so
   r = run_trainer({"--plugin-dir", FUSEBOX_PLUGIN_DIR, "--describe-plugin", "sgd"});
   EXPECT_EQ(r.code, 0) << r.err;
-  for (const char* s : {"momentum", "nesterov", "double", "bool", "(0, inf]", "[0, 1)",
+  for (const char* s : {"momentum", "nesterov", "double", "bool", "(0, inf)", "[0, 1)",
                         "learning rate", "nesterov,momentum,dampening"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
   r = run_trainer({"--plugin-dir", FUSEBOX_PLUGIN_DIR, "--describe-plugin", "sgf"});

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "fusebox/core/hyperparam_validation.h"
 #include "fusebox/core/suggest.h"
 #include "fusebox/core/threads.h"
 #include "fusebox/error.h"
@@ -17,6 +18,9 @@ namespace fusebox::trainer {
 namespace po = boost::program_options;
 
 namespace {
+
+constexpr double kMaxThreads = 1024;    // per pool; more only ever slows a run down
+constexpr double kMaxLocalRanks = 256;  // processes one launcher starts
 
 OptionSpec opt(std::string name, Kind kind, std::optional<OptValue> def, std::string help,
                std::string metavar = "") {
@@ -35,6 +39,8 @@ std::vector<OptionSpec> build_specs() {
     return v.back();
   };
   auto at_least = [](OptionSpec& s, double m) { s.min = m; };
+  auto above = [](OptionSpec& s, double m) { s.min = m, s.min_open = true; };
+  auto at_most = [](OptionSpec& s, double m) { s.max = m; };
   auto choices = [](OptionSpec& s, std::vector<std::string> c) { s.choices = std::move(c); };
   const int64_t cores = available_cores();
 
@@ -73,10 +79,10 @@ std::vector<OptionSpec> build_specs() {
                   "NAME")),
           {"constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
            "polynomial", "adafactor"});
-  add(opt("lr-scheduler-power", Kind::Real, 1.0, "polynomial schedule: exponent", "P"));
-  at_least(add(opt("lr-scheduler-num-cycles", Kind::Real, 1.0,
-                   "cosine_with_restarts: number of cycles", "N")),
-           0);
+  above(add(opt("lr-scheduler-power", Kind::Real, 1.0, "polynomial schedule: exponent", "P")), 0);
+  above(add(opt("lr-scheduler-num-cycles", Kind::Real, 1.0,
+                "cosine_with_restarts: number of cycles", "N")),
+        0);
   at_least(add(opt("lr-warmup-steps", Kind::Int, int64_t{0}, "linear warm-up steps", "N")), 0);
   at_least(add(opt("max-train-steps", Kind::Int, int64_t{100}, "optimizer steps to train", "N")),
            1);
@@ -117,13 +123,13 @@ std::vector<OptionSpec> build_specs() {
           {"cpu", "cuda"});
   at_least(add(opt("seed", Kind::Int, int64_t{42}, "seed of model initialisation and data", "N")),
            0);
-  at_least(
-      add(opt("threads", Kind::Int, cores, "intra-op CPU threads (default: the core count)", "N")),
-      1);
-  at_least(
+  OptionSpec& threads =
+      add(opt("threads", Kind::Int, cores, "intra-op CPU threads (default: the core count)", "N"));
+  at_least(threads, 1), at_most(threads, kMaxThreads);
+  OptionSpec& blas_threads =
       add(opt("blas-threads", Kind::Int, int64_t{0},
-              "OpenBLAS threads for matrix products (0: OpenBLAS's own count, one per core)", "N")),
-      0);
+              "OpenBLAS threads for matrix products (0: OpenBLAS's own count, one per core)", "N"));
+  at_least(blas_threads, 0), at_most(blas_threads, kMaxThreads);
 
   section = "Distributed (data parallel, c10d)";
   at_least(add(opt("nproc-per-node", Kind::Int, int64_t{1},
@@ -132,12 +138,15 @@ std::vector<OptionSpec> build_specs() {
                    "MASTER_ADDR, MASTER_PORT)",
                    "N")),
            1);
-  at_least(add(opt("dist-timeout", Kind::Real, 300.0,
-                   "seconds to wait for the rendezvous or for another rank in a collective", "S")),
-           0.1);
-  at_least(add(opt("dist-bucket-mb", Kind::Real, 25.0,
-                   "gradients are averaged in buckets of this many MiB while backward runs", "MB")),
-           0.001);
+  at_most(v.back(), kMaxLocalRanks);
+  OptionSpec& timeout =
+      add(opt("dist-timeout", Kind::Real, 300.0,
+              "seconds to wait for the rendezvous or for another rank in a collective", "S"));
+  at_least(timeout, 0.1), at_most(timeout, 7 * 24 * 3600.0);
+  OptionSpec& bucket =
+      add(opt("dist-bucket-mb", Kind::Real, 25.0,
+              "gradients are averaged in buckets of this many MiB while backward runs", "MB"));
+  at_least(bucket, 0.001), at_most(bucket, 1 << 20);
   add(opt("shard-optimizer-state", Kind::Flag, false,
           "ZeRO-1: each rank keeps optimizer state for, and updates, 1/N of the parameters"));
 
@@ -187,22 +196,6 @@ std::vector<OptionSpec> build_specs() {
           "PATH|latest"));
   add(opt("save-model", Kind::Text, {}, "write the trained parameters to this file", "PATH"));
   return v;
-}
-
-bool parse_double(const std::string& t, double& out) {
-  if (t.empty() || std::isspace(static_cast<unsigned char>(t.front()))) return false;
-  char* end = nullptr;
-  errno = 0;
-  out = std::strtod(t.c_str(), &end);
-  return end == t.c_str() + t.size() && errno != ERANGE;
-}
-
-bool parse_int(const std::string& t, int64_t& out) {
-  if (t.empty() || std::isspace(static_cast<unsigned char>(t.front()))) return false;
-  char* end = nullptr;
-  errno = 0;
-  out = std::strtoll(t.c_str(), &end, 10);
-  return end == t.c_str() + t.size() && errno != ERANGE;
 }
 
 std::string option_names_hint(const std::string& word) {
@@ -285,11 +278,16 @@ void check_value(const OptionSpec& spec, const Setting& s) {
     number = *d;
   else
     return;
-  if (std::isnan(number) || number < spec.min)
-    throw Error(label + ": must be at least " +
-                (spec.kind == Kind::Int ? std::to_string(static_cast<int64_t>(spec.min))
-                                        : format_real(spec.min)) +
-                ", got " + value_text(s.value));
+  auto bound = [&](double b) {
+    return spec.kind == Kind::Int ? std::to_string(static_cast<int64_t>(b)) : format_real(b);
+  };
+  if (std::isnan(number)) throw Error(label + ": is not a number (nan)");
+  if (std::isinf(number)) throw Error(label + ": must be finite, got " + value_text(s.value));
+  if (spec.min_open ? !(number > spec.min) : number < spec.min)
+    throw Error(label + (spec.min_open ? ": must be greater than " : ": must be at least ") +
+                bound(spec.min) + ", got " + value_text(s.value));
+  if (number > spec.max)
+    throw Error(label + ": must be at most " + bound(spec.max) + ", got " + value_text(s.value));
 }
 
 OptValue parse_cli_value(const OptionSpec& spec, const std::string& text) {
@@ -301,12 +299,12 @@ OptValue parse_cli_value(const OptionSpec& spec, const std::string& text) {
       throw Error(label + ": '" + text + "' is not true or false");
     case Kind::Int: {
       int64_t i;
-      if (!parse_int(text, i)) throw Error(label + ": '" + text + "' is not an integer");
+      if (!parse_integer(text, i)) throw Error(label + ": '" + text + "' is not an integer");
       return i;
     }
     case Kind::Real: {
       double d;
-      if (!parse_double(text, d)) throw Error(label + ": '" + text + "' is not a number");
+      if (!parse_real(text, d)) throw Error(label + ": '" + text + "' is not a number");
       return d;
     }
     case Kind::TextList:

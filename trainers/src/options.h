@@ -38,6 +38,8 @@ struct OptionSpec {
   std::string section;                                    ///< heading in --help and --print-config
   std::vector<std::string> choices;                       ///< for Choice
   double min = -std::numeric_limits<double>::infinity();  ///< smallest allowed number
+  bool min_open = false;                                  ///< true: must be greater than min
+  double max = std::numeric_limits<double>::infinity();   ///< largest allowed number
   std::string metavar;                                    ///< value placeholder in --help
 };
 

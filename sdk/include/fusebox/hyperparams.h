@@ -33,8 +33,10 @@ struct HyperParamSpec {
   std::string help;                                      ///< one-line description
   double lo = -std::numeric_limits<double>::infinity();  ///< lower bound (numbers, each of a pair)
   double hi = std::numeric_limits<double>::infinity();   ///< upper bound
-  bool lo_open = false;              ///< true: value must be > lo instead of >= lo
-  bool hi_open = false;              ///< true: value must be < hi instead of <= hi
+  /// true: value must be > lo instead of >= lo. Unbounded ends start open, so -inf and inf are
+  /// refused unless a bound admits them (`.at_most(inf)` for "inf means unlimited").
+  bool lo_open = true;
+  bool hi_open = true;               ///< true: value must be < hi instead of <= hi
   bool nullable = false;             ///< "none" is a valid value
   std::vector<std::string> choices;  ///< allowed strings of an Enum
 

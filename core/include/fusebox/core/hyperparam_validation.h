@@ -24,6 +24,13 @@ HyperParams validate_hyperparams(const Schema& schema, const std::string& plugin
 /// Parses command-line text into a value of the spec's type; throws Error on failure.
 Value parse_value(const HyperParamSpec& spec, const std::string& text);
 
+/// Parses a decimal number ("1e-3", "inf", "nan"; no hex, no leading space). A magnitude too
+/// large for a double gives +-inf, a too small one the nearest double. False if not a number.
+bool parse_real(const std::string& text, double& out);
+
+/// Parses a decimal integer; false if it is not one or does not fit in 64 bits.
+bool parse_integer(const std::string& text, int64_t& out);
+
 /// Renders a value as it would be written on the command line / in TOML.
 std::string format_value(const Value& v);
 
