@@ -36,7 +36,12 @@ class DAdaptAdam final : public fusebox::Optimizer {
     globals() = {{"d", hp.real("d0")}, {"numerator_weighted", 0.0}, {"d_hat", 0.0}, {"k", 0.0}};
   }
 
-  double effective_lr(size_t g) const override { return globals().at("d") * lr(g); }
+  /// The step size the last step applied (d before that step raised it, times lr and the bias
+  /// correction); before any step, the first step's d0 * lr.
+  double effective_lr(size_t g) const override {
+    if (lr(g) == 0) return 0.0;
+    return applied_dlr_ >= 0 ? applied_dlr_ : globals().at("d") * lr(g);
+  }
 
   void step() override {
     at::NoGradGuard no_grad;
@@ -46,6 +51,7 @@ class DAdaptAdam final : public fusebox::Optimizer {
     const int64_t step = static_cast<int64_t>(k) + 1;
     const double bc = fusebox::adam_bias_factor(bias_correction_, beta1_, beta2_, step);
     const double dlr = d * lr * bc, sb = std::sqrt(beta2_);
+    applied_dlr_ = dlr;
 
     // Pass 1: moments, s, and the sums for d, accumulated on the device (one host sync).
     at::Tensor num, l1;
@@ -98,6 +104,7 @@ class DAdaptAdam final : public fusebox::Optimizer {
   }
 
  private:
+  double applied_dlr_ = -1;  // the last step's d * lr * bias correction (-1: no step yet)
   double beta1_, beta2_, eps_, weight_decay_, growth_rate_;
   bool decouple_, bias_correction_, stochastic_;
 };

@@ -48,7 +48,12 @@ class Prodigy final : public fusebox::Optimizer {
     globals() = {{"d", d0_}, {"d_max", d0_}, {"d_hat", 0.0}, {"d_numerator", 0.0}, {"k", 0.0}};
   }
 
-  double effective_lr(size_t g) const override { return globals().at("d") * lr(g); }
+  /// The step size the last step applied (d before that step raised it, times lr and the bias
+  /// correction); before any step, the first step's d0 * lr.
+  double effective_lr(size_t g) const override {
+    if (lr(g) == 0) return 0.0;
+    return applied_dlr_ >= 0 ? applied_dlr_ : globals().at("d") * lr(g);
+  }
 
   void step() override {
     at::NoGradGuard no_grad;
@@ -58,6 +63,7 @@ class Prodigy final : public fusebox::Optimizer {
     const int64_t step = static_cast<int64_t>(k) + 1;
     const double bc = fusebox::adam_bias_factor(bias_correction_, beta1_, beta2_, step);
     const double dlr = d * lr * bc;
+    applied_dlr_ = dlr;
 
     // Pass 1: moments, s, and the sums for d, accumulated on the device (one host sync).
     at::Tensor num, den;
@@ -123,6 +129,7 @@ class Prodigy final : public fusebox::Optimizer {
   }
 
  private:
+  double applied_dlr_ = -1;  // the last step's d * lr * bias correction (-1: no step yet)
   // The gradient in p's dtype, with coupled (L2) weight decay when asked.
   at::Tensor grad_of(const at::Tensor& param, const at::Tensor& p) const {
     at::Tensor g = param.grad().to(p.scalar_type());
