@@ -138,9 +138,7 @@ std::string read_all(const fs::path& path, const std::string& what) {
 }  // namespace
 
 void write_file_atomically(const fs::path& path, const std::string& bytes) {
-  const fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
-  const fs::path tmp =
-      dir / ("." + path.filename().string() + ".tmp." + std::to_string(::getpid()));
+  const fs::path tmp = temporary_path(path), dir = tmp.parent_path();
   auto fail = [&](const std::string& what) {
     const std::string reason = std::strerror(errno);
     ::unlink(tmp.c_str());
@@ -328,6 +326,13 @@ void restore_parameters(const std::map<std::string, at::Tensor>& saved,
       throw Error("checkpoint parameter '" + name + "' has shape " + c10::str(it->second.sizes()) +
                   ", this model's has " + c10::str(p.sizes()) +
                   ": resume with the same model options");
+    // float32 <-> bf16/fp16 is a change of storage a resume may make (--full-bf16); float64 is a
+    // different run, whose float64 optimizer state would meet float32 parameters.
+    const at::ScalarType from = it->second.scalar_type(), to = p.scalar_type();
+    if (from != to && (from == at::kDouble || to == at::kDouble))
+      throw Error("checkpoint parameter '" + name + "' is " + c10::toString(from) +
+                  ", this model's is " + c10::toString(to) + ": resume with --dtype " +
+                  (from == at::kDouble ? "float64" : "float32"));
     p.copy_(it->second);
   }
 }
@@ -372,15 +377,24 @@ std::string checkpoint_name(int64_t step) {
   return buf;
 }
 
+fs::path temporary_path(const fs::path& target) {
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  return dir / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()));
+}
+
+std::optional<int64_t> checkpoint_step(const fs::path& file) {
+  static const std::regex pattern(R"(checkpoint-(\d{1,18})\.fbx)");
+  std::smatch m;
+  const std::string name = file.filename().string();
+  if (!std::regex_match(name, m, pattern)) return std::nullopt;
+  return std::stoll(m[1]);  // at most 18 digits: always fits
+}
+
 std::vector<fs::path> list_checkpoints(const fs::path& dir) {
-  static const std::regex pattern(R"(checkpoint-(\d+)\.fbx)");
   std::vector<std::pair<int64_t, fs::path>> found;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    std::smatch m;
-    const std::string name = e.path().filename().string();
-    if (std::regex_match(name, m, pattern)) found.emplace_back(std::stoll(m[1]), e.path());
-  }
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (const auto step = checkpoint_step(e.path())) found.emplace_back(*step, e.path());
   std::sort(found.begin(), found.end());
   std::vector<fs::path> out;
   for (auto& f : found) out.push_back(f.second);
@@ -388,28 +402,47 @@ std::vector<fs::path> list_checkpoints(const fs::path& dir) {
 }
 
 void remove_stale_temporaries(const fs::path& dir) {
-  // "<name>.tmp.<pid>": written by write_file_atomically or a streaming writer of the same
-  // convention; garbage once its writer is gone (killed mid-write).
-  static const std::regex temporary(R"(.+\.tmp\.(\d+))");
+  // Only temporaries of the files fusebox writes into an output folder (see temporary_path),
+  // garbage once their writer is gone (killed mid-write); anything else there is the user's.
+  static const std::regex temporary(
+      R"(\.(checkpoint-\d+\.fbx|metrics\.jsonl|metrics\.csv|summary\.json|comparison\.txt)\.tmp\.(\d{1,9}))");
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     std::smatch m;
     const std::string name = e.path().filename().string();
     if (!std::regex_match(name, m, temporary)) continue;
-    const long long pid = std::stoll(m[1]);
+    const long long pid = std::stoll(m[2]);  // at most 9 digits
     if (pid == ::getpid()) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;  // writer alive
     fs::remove(e.path(), ec);
   }
 }
 
-void prune_checkpoints(const fs::path& dir, int64_t keep) {
+std::optional<fs::path> latest_checkpoint(const fs::path& dir) {
+  std::optional<fs::path> best;
+  fs::file_time_type best_time{};
+  int64_t best_step = -1;
+  for (const fs::path& p : list_checkpoints(dir)) {  // by step: a tie in time goes to the later
+    std::error_code ec;
+    const fs::file_time_type t = fs::last_write_time(p, ec);
+    if (ec) continue;
+    const int64_t step = *checkpoint_step(p);
+    if (!best || t > best_time || (t == best_time && step > best_step))
+      best = p, best_time = t, best_step = step;
+  }
+  return best;
+}
+
+void prune_checkpoints(const fs::path& dir, int64_t keep, int64_t newest_step) {
   remove_stale_temporaries(dir);
   if (keep <= 0) return;
-  auto all = list_checkpoints(dir);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {
+  // Checkpoints of later steps than this run's newest belong to another run: not ours to count.
+  std::vector<fs::path> ours;
+  for (const fs::path& p : list_checkpoints(dir))
+    if (*checkpoint_step(p) <= newest_step) ours.push_back(p);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < ours.size(); ++i) {
     std::error_code ec;
-    fs::remove(all[i], ec);
+    fs::remove(ours[i], ec);
   }
 }
 

@@ -218,6 +218,25 @@ TEST(Checkpoint, ResumingAnotherModelIsRefused) {
   EXPECT_NE(msg.find("parameter 'other.weight'"), std::string::npos) << msg;
 }
 
+// A float64 checkpoint into a float32 model (or back) would meet float64 optimizer state with
+// float32 parameters at the first step; bf16 <-> float32 is a storage change a resume may make.
+TEST(Checkpoint, ResumingAnotherFloatWidthIsRefusedButBFloat16IsNot) {
+  TinyLm f64(at::kDouble), f32(at::kFloat), bf16(at::kBFloat16);
+  auto saved_from = [](const TinyLm& m) {
+    std::map<std::string, at::Tensor> out;
+    for (size_t i = 0; i < m.params.size(); ++i) out[m.names[i]] = m.params[i].detach().clone();
+    return out;
+  };
+  std::string msg = error_of([&] { restore_parameters(saved_from(f64), named(f32)); });
+  EXPECT_NE(msg.find("is Double, this model's is Float: resume with --dtype float64"),
+            std::string::npos)
+      << msg;
+  msg = error_of([&] { restore_parameters(saved_from(f32), named(f64)); });
+  EXPECT_NE(msg.find("resume with --dtype float32"), std::string::npos) << msg;
+  EXPECT_NO_THROW(restore_parameters(saved_from(bf16), named(f32)));
+  EXPECT_NO_THROW(restore_parameters(saved_from(f32), named(bf16)));
+}
+
 TEST(Checkpoint, ModelWeightsUseTorchPickleFormat) {
   fs::path dir = temp_dir("weights");
   TinyLm m(at::kFloat);
@@ -243,4 +262,32 @@ TEST(Checkpoint, KeepsOnlyTheNewestN) {
   ASSERT_EQ(left.size(), 2u);
   EXPECT_EQ(left[0].filename(), checkpoint_name(30));
   EXPECT_EQ(left[1].filename(), checkpoint_name(40));
+}
+
+// Only fusebox's own temporaries of dead writers are removed; odd names never throw.
+TEST(Checkpoint, RemovesOnlyItsOwnStaleTemporaries) {
+  fs::path dir = temp_dir("stale");
+  const std::string dead = "999999999";  // above any pid_max: no such process
+  const std::string alive = std::to_string(::getpid());
+  auto touch = [&](const std::string& name) { std::ofstream(dir / name) << "x"; };
+  for (const std::string& n : std::vector<std::string>{
+           ".checkpoint-00000004.fbx.tmp." + dead, ".metrics.jsonl.tmp." + dead,
+           ".summary.json.tmp." + alive, "draft.md.tmp." + dead, ".notes.tmp." + dead,
+           ".metrics.csv.tmp.99999999999999999999", "checkpoint-99999999999999999999.fbx",
+           "checkpoint-00000007.fbx"})
+    touch(n);
+  EXPECT_NO_THROW(remove_stale_temporaries(dir));
+  for (const std::string& n : std::vector<std::string>{".checkpoint-00000004.fbx.tmp." + dead,
+                                                       ".metrics.jsonl.tmp." + dead})
+    EXPECT_FALSE(fs::exists(dir / n)) << n;
+  for (const std::string& n : std::vector<std::string>{
+           ".summary.json.tmp." + alive, "draft.md.tmp." + dead, ".notes.tmp." + dead,
+           ".metrics.csv.tmp.99999999999999999999", "checkpoint-99999999999999999999.fbx"})
+    EXPECT_TRUE(fs::exists(dir / n)) << n;
+  auto listed = list_checkpoints(dir);
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].filename(), "checkpoint-00000007.fbx");
+  EXPECT_EQ(checkpoint_step("checkpoint-00000120.fbx"), 120);
+  EXPECT_FALSE(checkpoint_step("checkpoint-1.fbx.bak").has_value());
+  EXPECT_NO_THROW(prune_checkpoints(dir, 1));
 }

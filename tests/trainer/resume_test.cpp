@@ -123,3 +123,44 @@ TEST(TrainerResume, MismatchesAndBadFilesAreOneLineErrors) {
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   EXPECT_EQ(read_text(tmp.file(fusebox::checkpoint_name(2))), before);  // nothing overwritten
 }
+
+// One --output-dir used by two runs: the second run's final checkpoint replaces the first's of
+// the same step, --resume latest continues the run written last (not the highest step), and
+// keep-last-n never deletes what the current run just wrote.
+TEST(TrainerResume, AFolderUsedByTwoRunsKeepsTheCurrentRunsCheckpoints) {
+  TempDir tmp;
+  const std::string dir = tmp.file("shared");
+  auto first = run_trainer(with(base_args(dir, "sgd", 10), {"--save-every-n-steps", "5"}));
+  ASSERT_EQ(first.code, 0) << first.err;
+  const std::string ten = read_text(dir + "/" + fusebox::checkpoint_name(10));
+
+  // A fresh run into the folder: warned about; its own final checkpoint (step 4) is written.
+  auto fresh = run_trainer(with(base_args(dir, "sgd", 4), {"--seed", "7"}));
+  ASSERT_EQ(fresh.code, 0) << fresh.err;
+  EXPECT_NE(fresh.err.find("already holds 2 checkpoint(s) of an earlier run"), std::string::npos)
+      << fresh.err;
+  ASSERT_TRUE(fs::exists(dir + "/" + fusebox::checkpoint_name(4)));
+  EXPECT_NE(fusebox::load_checkpoint(dir + "/" + fusebox::checkpoint_name(4))
+                .meta.at("config")
+                .find("seed = 7"),
+            std::string::npos);
+
+  // --resume latest continues the step-4 run (written last), not the other run's step 10.
+  auto latest = run_trainer(with(base_args(dir, "sgd", 6), {"--seed", "7", "--resume", "latest"}));
+  ASSERT_EQ(latest.code, 0) << latest.err;
+  EXPECT_NE(
+      latest.out.find("resuming from " + dir + "/" + fusebox::checkpoint_name(4) + " (step 4)"),
+      std::string::npos)
+      << latest.out;
+
+  // A branch from step 5 with keep-last-n 1: its own newest stays, the step-10 file is left.
+  auto branch = run_trainer(with(base_args(dir, "sgd", 8),
+                                 {"--resume", dir + "/" + fusebox::checkpoint_name(5),
+                                  "--save-every-n-steps", "2", "--keep-last-n-checkpoints", "1"}));
+  ASSERT_EQ(branch.code, 0) << branch.err;
+  std::vector<std::string> left;
+  for (const auto& p : fusebox::list_checkpoints(dir)) left.push_back(p.filename().string());
+  EXPECT_EQ(left,
+            (std::vector<std::string>{fusebox::checkpoint_name(8), fusebox::checkpoint_name(10)}));
+  EXPECT_EQ(read_text(dir + "/" + fusebox::checkpoint_name(10)), ten);
+}

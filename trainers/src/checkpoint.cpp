@@ -16,18 +16,19 @@ void check_checkpoint_options(const TrainConfig& c) {
     throw Error("--save-every-n-steps must be >= 0 (0: only at the end)");
 }
 
-std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const LoadedPlugin& plugin) {
+std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const LoadedPlugin& plugin,
+                                                 std::string* from) {
   if (!c.resume) return std::nullopt;
   fs::path path = *c.resume;
   std::error_code ec;
   if (*c.resume == "latest" || fs::is_directory(path, ec)) {
     const fs::path dir = *c.resume == "latest" ? fs::path(c.output_dir) : path;
-    auto all = list_checkpoints(dir);
-    if (all.empty())
-      throw Error("--resume " + *c.resume + ": no checkpoint-*.fbx in " + dir.string());
-    path = all.back();
+    const std::optional<fs::path> latest = latest_checkpoint(dir);
+    if (!latest) throw Error("--resume " + *c.resume + ": no checkpoint-*.fbx in " + dir.string());
+    path = *latest;
   }
   Checkpoint ckpt = load_checkpoint(path);
+  if (from) *from = path.string();
   const std::string saved_plugin = ckpt.meta.count("plugin") ? ckpt.meta.at("plugin") : "?";
   if (saved_plugin != plugin.info().name)
     throw Error("--resume: " + path.string() + " was written with optimizer plugin '" +
@@ -82,7 +83,6 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   if (!ctx.leader) return;
   const fs::path path = fs::path(c.output_dir) / checkpoint_name(step);
   std::error_code ec;
-  if (final && fs::exists(path, ec)) return;  // already saved as a periodic checkpoint
   for (const auto& [name, t] : ctx.model.parameters()) ckpt.model[name] = t;
   ckpt.rng = capture_rng_state();
   ckpt.rng["data"] = ctx.data.generator().get_state();
@@ -95,7 +95,7 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.meta["config"] = c.resolved_config;
   fs::create_directories(c.output_dir, ec);
   save_checkpoint(ckpt, path);
-  prune_checkpoints(c.output_dir, c.keep_last_n_checkpoints);
+  prune_checkpoints(c.output_dir, c.keep_last_n_checkpoints, step);
 }
 
 }  // namespace fusebox::trainer

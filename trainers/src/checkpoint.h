@@ -23,10 +23,12 @@ namespace fusebox::trainer {
 /// Refuses inconsistent checkpoint options (called before any work starts).
 void check_checkpoint_options(const TrainConfig& config);
 
-/// Loads the checkpoint named by --resume (a file, a folder, or "latest" in --output-dir) and
-/// checks it was written by the same plugin; nullopt without --resume.
+/// Loads the checkpoint named by --resume (a file; a folder or "latest" in --output-dir: the
+/// checkpoint written last there) and checks it was written by the same plugin; nullopt without
+/// --resume. `from`, when given, receives the file's path.
 std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& config,
-                                                 const LoadedPlugin& plugin);
+                                                 const LoadedPlugin& plugin,
+                                                 std::string* from = nullptr);
 
 /// Copies the checkpoint's parameters into `model` (names and shapes must match).
 void restore_model(const Checkpoint& ckpt, Model& model);

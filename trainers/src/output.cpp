@@ -10,6 +10,7 @@
 #include <memory>
 #include <sstream>
 
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/error.h"
 #include "options.h"
@@ -19,7 +20,7 @@ namespace fusebox::trainer {
 namespace fs = std::filesystem;
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
-  tmp_ = path_ + ".tmp." + std::to_string(::getpid());
+  tmp_ = temporary_path(path_).string();
   out_.open(tmp_, std::ios::binary | std::ios::trunc);
   if (!out_) throw Error("cannot write " + path_ + " (cannot create " + tmp_ + ")");
 }

@@ -167,7 +167,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   std::unique_ptr<DataSource> data = make_data(c);
   // Parameters are restored before the step mode exists, so its hooks see the resumed tensors.
-  const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin);
+  std::string resumed_from;
+  const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin, &resumed_from);
   if (resumed) restore_model(*resumed, *model);
   std::vector<ParamGroup> groups = param_groups(*model);
   if (dist.comm) {
@@ -230,8 +231,19 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << (used.blas > 0 ? ", " + std::to_string(used.blas) + " OpenBLAS" : std::string())
           << "\n";
 
-  if (!c.output_dir.empty() && dist.leader())
+  if (resumed)
+    con.out << (c.name.empty() ? "" : "[" + c.name + "] ") << "resuming from " << resumed_from
+            << " (step " << first_step << ")\n";
+  if (!c.output_dir.empty() && dist.leader()) {
     remove_stale_temporaries(c.output_dir);  // from killed runs
+    const size_t earlier = list_checkpoints(c.output_dir).size();
+    if (!resumed && earlier > 0)
+      con.err << ("trainer: warning: --output-dir " + c.output_dir + " already holds " +
+                  std::to_string(earlier) +
+                  " checkpoint(s) of an earlier run: this run replaces those of the steps it "
+                  "saves and leaves the others (use another --output-dir to keep runs apart)\n")
+              << std::flush;
+  }
   MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size());
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]");

@@ -13,8 +13,10 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,14 +76,25 @@ std::map<std::string, at::Tensor> load_model_weights(const std::filesystem::path
 /// Writes `bytes` to `path` atomically: temp file in the same folder, fsync, rename, fsync folder.
 void write_file_atomically(const std::filesystem::path& path, const std::string& bytes);
 
+/// Where `target` is written before it is renamed into place: ".<name>.tmp.<pid>" beside it.
+std::filesystem::path temporary_path(const std::filesystem::path& target);
 /// Checkpoint file name for a step: "checkpoint-00000120.fbx".
 std::string checkpoint_name(int64_t step);
+/// The step of a checkpoint file name, or nothing for another name.
+std::optional<int64_t> checkpoint_step(const std::filesystem::path& file);
 /// Checkpoints in `dir`, oldest first (by step number in the name).
 std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path& dir);
-/// Deletes "<name>.tmp.<pid>" files in `dir` whose writing process no longer exists.
+/// Deletes temporaries (temporary_path) of fusebox's output files (checkpoints, metrics,
+/// summary, comparison) in `dir` whose writing process no longer exists.
 void remove_stale_temporaries(const std::filesystem::path& dir);
-/// Deletes all but the newest `keep` checkpoints in `dir` (keep <= 0: keep all), and stale
-/// temporaries.
-void prune_checkpoints(const std::filesystem::path& dir, int64_t keep);
+/// The checkpoint in `dir` written last (by modification time; equal times: the later step), or
+/// nothing. Not simply the highest step: a folder may also hold an earlier run's checkpoints of
+/// later steps than the run that was interrupted there.
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& dir);
+/// Deletes stale temporaries and, of the checkpoints in `dir` up to step `newest_step` (the one
+/// just written), all but the newest `keep` (keep <= 0: keep all). Checkpoints of later steps
+/// are another run's and are left alone.
+void prune_checkpoints(const std::filesystem::path& dir, int64_t keep,
+                       int64_t newest_step = std::numeric_limits<int64_t>::max());
 
 }  // namespace fusebox
