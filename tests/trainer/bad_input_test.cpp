@@ -89,6 +89,17 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"unwritable output", "--optimizer sgd --output-dir {dir}/a_file/out", "a_file", 2},
       {"corrupt checkpoint", "--optimizer sgd --resume {dir}/corrupt.fbx", "corrupt.fbx", 2},
       {"NaN loss", "--optimizer sgd --learning-rate 1e6 --max-train-steps 40", "non-finite", 3},
+      {"save-model is a folder", "--optimizer sgd --save-model {dir}/", "is a folder", 2},
+      {"infinite hyperparameter", "--optimizer sgd --optimizer-args lr=inf",
+       "'lr': inf is outside (0, inf)", 2},
+      {"nan option", "--optimizer sgd --learning-rate nan", "is not a number (nan)", 2},
+      {"too many threads", "--optimizer sgd --threads 5000000000", "must be at most 1024", 2},
+      {"infinite timeout", "--optimizer sgd --dist-timeout inf", "must be finite", 2},
+      {"model too large", "--optimizer sgd --model-width 10000000", "cannot build the mlp model",
+       2},
+      {"batch over ranks", "--optimizer sgd --nproc-per-node 2 --train-batch-size 3",
+       "cannot be split evenly over 2 ranks", 2},
+      {"not UTF-8", "--optimizer sgd --output-dir {dir}/\xff", "not valid UTF-8", 2},
   };
   int i = 0;
   for (const BadCase& c : cases) {
@@ -156,4 +167,50 @@ TEST(TrainerErrors, AnErrorLineIsWrittenInOnePiece) {
   EXPECT_EQ(code, 2);
   ASSERT_EQ(recorder.pieces.size(), 1u);
   EXPECT_EQ(recorder.pieces[0], "trainer: error: --max-train-steps: must be at least 1, got 0\n");
+}
+
+// [[runs]]: a name is one folder name, and every run is checked before the first one trains.
+TEST(TrainerBadInput, RunsAreCheckedBeforeAnyRunTrains) {
+  TempDir tmp;
+  tmp.write("a_file", "x");
+  const std::string head =
+      "optimizer = \"sgd\"\nmodel_width = 8\nmax_train_steps = 2\n"
+      "threads = 1\noutput_dir = \"" +
+      tmp.file("runs") + "\"\n";
+  tmp.write("escape.toml", head + "[[runs]]\nname = \"../../escape\"\n");
+  auto r = run_program("--config " + tmp.file("escape.toml"), tmp.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("escape.toml:7:8: runs.name: '../../escape' may use only letters"),
+            std::string::npos)
+      << r.err;
+  tmp.write("late.toml", head + "[[runs]]\nname = \"a\"\n[[runs]]\nname = \"b\"\noutput_dir = \"" +
+                             tmp.file("a_file") + "\"\n");
+  r = run_program("--config " + tmp.file("late.toml"), tmp.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("run 'b': --output-dir: cannot create"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(tmp.file("runs"))) << "run 'a' trained before run 'b' was checked";
+  tmp.write("sched.toml", head +
+                              "[[runs]]\nname = \"a\"\n[[runs]]\nname = \"b\"\n"
+                              "lr_scheduler = \"cosine_with_restarts\"\n"
+                              "lr_scheduler_num_cycles = 0\n");
+  r = run_program("--config " + tmp.file("sched.toml"), tmp.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("lr_scheduler_num_cycles: must be greater than 0"), std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(tmp.file("runs")));
+}
+
+// The command line names the plugin either way over a config that named it the other way.
+TEST(TrainerBadInput, CommandLinePluginChoiceOverridesTheConfigs) {
+  TempDir tmp;
+  tmp.write("adam.toml", "optimizer = \"adam\"\nmodel_width = 8\nmax_train_steps = 1\n");
+  auto r =
+      run_program("--config " + tmp.file("adam.toml") + " --optimizer-plugin sgd.so --output-dir " +
+                      tmp.file("o") + " --print-config",
+                  tmp.str());
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("optimizer_plugin = \"sgd.so\""), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("optimizer = \"adam\""), std::string::npos) << r.out;
 }

@@ -77,6 +77,23 @@ std::string run_output_dir(const std::string& dir, const std::string& name) {
   return (fs::path(dir) / name).string();
 }
 
+// Refuses an output folder that cannot be created: its path, or a folder above it, is a file.
+void check_output_dir(const std::string& dir) {
+  if (dir.empty()) return;
+  for (fs::path p = fs::absolute(dir); !p.empty(); p = p.parent_path()) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(p, ec);
+    if (st.type() == fs::file_type::not_found) {
+      if (p == p.parent_path()) break;
+      continue;
+    }
+    if (st.type() != fs::file_type::directory)
+      throw Error("--output-dir: cannot create " + dir + ": " + p.string() +
+                  " is not a folder; choose another --output-dir");
+    break;
+  }
+}
+
 std::string run_model_path(const std::string& path, const std::string& name) {
   if (name.empty()) return path;
   fs::path p(path);
@@ -175,14 +192,23 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   Distributed dist;
   dist.config = launching ? DistributedConfig{} : distributed_config_from_env();
   // The launcher checks for the last rank it will start, so that no rank starts in vain.
+  const int world = launching ? static_cast<int>(nproc) : dist.config.world_size;
   const int local_rank = launching ? static_cast<int>(nproc) - 1 : dist.config.local_rank;
   const int local_ranks = launching ? static_cast<int>(nproc) : dist.config.local_world_size;
   for (auto& p : plan) {
-    check_runtime(p.config, local_rank, local_ranks, err);
-    p.config.output_dir = run_output_dir(p.config.output_dir, p.config.name);
-    if (p.config.save_model)
-      p.config.save_model = run_model_path(*p.config.save_model, p.config.name);
+    try {
+      check_runtime(p.config, world, local_rank, local_ranks, err);
+      p.config.output_dir = run_output_dir(p.config.output_dir, p.config.name);
+      check_output_dir(p.config.output_dir);
+      if (p.config.save_model)
+        p.config.save_model = run_model_path(*p.config.save_model, p.config.name);
+    } catch (const Error& ex) {
+      if (p.config.name.empty() || file.runs.size() < 2) throw;
+      throw Error("run '" + p.config.name + "': " + ex.what());
+    }
   }
+  const std::string top_dir = std::get<std::string>(top.values.at("output-dir").value);
+  if (plan.size() > 1) check_output_dir(top_dir);  // comparison.txt
 
   if ((nproc > 1 || launched_as_rank()) && !distributed_available())
     throw Error(
@@ -206,8 +232,11 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   if (summaries.size() > 1) {
     const std::string table = comparison_table(summaries);
     out << "\n" << table;
-    const std::string dir = std::get<std::string>(top.values.at("output-dir").value);
-    if (!dir.empty()) write_file_atomically((fs::path(dir) / "comparison.txt").string(), table);
+    if (!top_dir.empty()) {
+      std::error_code ec;
+      fs::create_directories(top_dir, ec);
+      write_file_atomically((fs::path(top_dir) / "comparison.txt").string(), table);
+    }
   }
   return kExitOk;
 }

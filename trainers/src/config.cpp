@@ -194,6 +194,10 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
     if (c.save_model->empty()) throw Error(r.label("save-model") + ": must not be empty");
     fs::path parent = fs::path(*c.save_model).parent_path();
     std::error_code ec;
+    if (c.save_model->back() == '/' || fs::is_directory(*c.save_model, ec))
+      throw Error(r.label("save-model") + ": " + *c.save_model +
+                  " is a folder; give a file name (e.g. " +
+                  (fs::path(*c.save_model) / "model.pt").lexically_normal().string() + ")");
     if (!parent.empty() && !fs::is_directory(parent, ec))
       throw Error(r.label("save-model") + ": folder " + parent.string() + " does not exist");
   }

@@ -7,6 +7,7 @@
 #include <numeric>
 #include <unordered_set>
 
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/error.h"
 #include "model.h"
 
@@ -247,14 +248,15 @@ class BuiltinModel : public Model {
   void save(const std::string& path) override {
     torch::serialize::OutputArchive archive;
     for (const auto& [name, t] : parameters()) archive.write(name, t.detach().cpu());
-    const std::string tmp = path + ".tmp";
+    const std::string tmp = temporary_path(path).string();
     try {
       archive.save_to(tmp);
       std::filesystem::rename(tmp, path);
     } catch (const std::exception& e) {
       std::error_code ec;
       std::filesystem::remove(tmp, ec);
-      throw Error("cannot write model to " + path + ": " + e.what());
+      const std::string what = e.what();  // LibTorch's messages carry a stack trace
+      throw Error("cannot write model to " + path + ": " + what.substr(0, what.find('\n')));
     }
   }
 

@@ -125,11 +125,12 @@ std::vector<OptionSpec> build_specs() {
            0);
   OptionSpec& threads =
       add(opt("threads", Kind::Int, cores, "intra-op CPU threads (default: the core count)", "N"));
-  at_least(threads, 1), at_most(threads, kMaxThreads);
+  at_least(threads, 1), at_most(threads, kMaxThreads), threads.derived_default = true;
   OptionSpec& blas_threads =
       add(opt("blas-threads", Kind::Int, int64_t{0},
               "OpenBLAS threads for matrix products (0: OpenBLAS's own count, one per core)", "N"));
   at_least(blas_threads, 0), at_most(blas_threads, kMaxThreads);
+  blas_threads.derived_default = true;
 
   section = "Distributed (data parallel, c10d)";
   at_least(add(opt("nproc-per-node", Kind::Int, int64_t{1},
@@ -245,6 +246,11 @@ bool is_config_key(const OptionSpec& spec) {
 }
 
 void Layer::overlay(const Layer& other) {
+  // The plugin is named one way or the other: a layer naming it replaces both of the layer below.
+  if (other.values.count("optimizer") || other.values.count("optimizer-plugin")) {
+    values.erase("optimizer");
+    values.erase("optimizer-plugin");
+  }
   for (const auto& [k, v] : other.values) values[k] = v;
   for (const auto& [k, v] : other.optimizer_args) optimizer_args[k] = v;
 }
@@ -290,8 +296,34 @@ void check_value(const OptionSpec& spec, const Setting& s) {
     throw Error(label + ": must be at most " + bound(spec.max) + ", got " + value_text(s.value));
 }
 
+// True when `s` is well-formed UTF-8 (no overlongs, surrogates or code points past U+10FFFF).
+bool valid_utf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80           ? 1
+                     : (c >> 5) == 0x6  ? 2
+                     : (c >> 4) == 0xe  ? 3
+                     : (c >> 3) == 0x1e ? 4
+                                        : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    uint32_t cp = n == 1 ? c : c & (0x7f >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const unsigned char cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc >> 6) != 0x2) return false;
+      cp = (cp << 6) | (cc & 0x3f);
+    }
+    static const uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+    i += n;
+  }
+  return true;
+}
+
 OptValue parse_cli_value(const OptionSpec& spec, const std::string& text) {
   const std::string label = "--" + spec.name;
+  // Values end up in TOML (--print-config, the config saved in checkpoints), which is UTF-8.
+  if (!valid_utf8(text))
+    throw Error(label + ": the value is not valid UTF-8 text (rename the file or folder)");
   switch (spec.kind) {
     case Kind::Flag:
       if (text == "true" || text == "1" || text == "yes") return true;

@@ -40,8 +40,14 @@ struct OptionSpec {
   double min = -std::numeric_limits<double>::infinity();  ///< smallest allowed number
   bool min_open = false;                                  ///< true: must be greater than min
   double max = std::numeric_limits<double>::infinity();   ///< largest allowed number
-  std::string metavar;                                    ///< value placeholder in --help
+  /// The default is worked out per machine and job (thread counts): a printed config shows it as
+  /// a comment, so feeding the file back does not pin it.
+  bool derived_default = false;
+  std::string metavar;  ///< value placeholder in --help
 };
+
+/// True when `s` is well-formed UTF-8 (no overlongs, surrogates or code points past U+10FFFF).
+bool valid_utf8(const std::string& s);
 
 /// The option table, in display order.
 const std::vector<OptionSpec>& option_specs();

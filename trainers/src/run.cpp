@@ -114,7 +114,17 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
   return plugin.validate(args);
 }
 
-void check_runtime(const TrainConfig& c, int local_rank, int local_ranks, std::ostream& warnings) {
+void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ranks,
+                   std::ostream& warnings) {
+  if (world > 1 && c.train_batch_size % world != 0)
+    throw Error("--train-batch-size " + std::to_string(c.train_batch_size) +
+                " cannot be split evenly over " + std::to_string(world) +
+                " ranks: each rank trains an equal share of every batch; use a multiple of " +
+                std::to_string(world));
+  if (world > 1 && c.dataset == "none")
+    throw Error(
+        "--dataset none: a script model that makes its own data cannot be split over "
+        "ranks; give it synthetic or text data");
   if (c.device == "cuda") gpu_for_local_rank(local_rank, local_ranks, visible_gpus());
   if (c.mixed_precision == "fp16" && c.device == "cpu")
     warnings << "trainer: warning: --mixed-precision fp16: LibTorch 1.13 has no fp16 autocast on "
@@ -128,15 +138,6 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                         Console& con, const Distributed& dist) {
   // ---- set-up: errors here are configuration problems
   const int world = dist.config.world_size;
-  if (world > 1 && c.train_batch_size % world != 0)
-    throw Error("--train-batch-size " + std::to_string(c.train_batch_size) +
-                " cannot be split evenly over " + std::to_string(world) +
-                " ranks: each rank trains an equal share of every batch; use a multiple of " +
-                std::to_string(world));
-  if (world > 1 && c.dataset == "none")
-    throw Error(
-        "--dataset none: a script model that makes its own data cannot be split over "
-        "ranks; give it synthetic or text data");
   if (c.shard_optimizer_state && world == 1)
     con.err << "trainer: warning: --shard-optimizer-state has no effect in a single process\n";
   // Ranks on one machine share its cores unless --threads / --blas-threads say otherwise.
@@ -155,17 +156,28 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   const at::ScalarType loss_dtype = c.dtype == "float64" ? at::kDouble : at::kFloat;
 
   std::unique_ptr<Model> model;
-  if (c.model_script) {
-    model = load_script_model(*c.model_script, device, dtype);
-  } else {
-    ModelOptions mo;
-    mo.kind = c.model, mo.width = c.model_width, mo.depth = c.model_depth;
-    mo.heads = c.model_heads, mo.seq_len = c.seq_len, mo.image_size = c.image_size;
-    mo.vocab_size = c.dataset == "text" ? 256 : c.vocab_size;
-    mo.device = device, mo.dtype = dtype;
-    model = make_builtin_model(mo);
+  std::unique_ptr<DataSource> data;
+  try {
+    if (c.model_script) {
+      model = load_script_model(*c.model_script, device, dtype);
+    } else {
+      ModelOptions mo;
+      mo.kind = c.model, mo.width = c.model_width, mo.depth = c.model_depth;
+      mo.heads = c.model_heads, mo.seq_len = c.seq_len, mo.image_size = c.image_size;
+      mo.vocab_size = c.dataset == "text" ? 256 : c.vocab_size;
+      mo.device = device, mo.dtype = dtype;
+      model = make_builtin_model(mo);
+    }
+    data = make_data(c);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    // Sizes the machine cannot hold (out of memory, a size overflowing LibTorch's arithmetic).
+    throw Error("cannot build the " + (c.model_script ? std::string("script model") : c.model) +
+                " model and its data with these sizes (--model-width, --model-depth, --seq-len, "
+                "--vocab-size, --image-size, --train-batch-size): " +
+                one_line(e.what()));
   }
-  std::unique_ptr<DataSource> data = make_data(c);
   // Parameters are restored before the step mode exists, so its hooks see the resumed tensors.
   std::string resumed_from;
   const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin, &resumed_from);
@@ -336,8 +348,17 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   summary.memory_breakdown = memory::describe(acct, mode->name());
   summary.weights_bytes = acct.weights, summary.state_bytes = acct.state;
   summary.grads_alive_bytes = acct.grads_alive;
-  if (c.save_model && dist.leader()) model->save(*c.save_model);
   files.commit(summary);
+  if (c.save_model && dist.leader()) {
+    try {
+      model->save(*c.save_model);
+    } catch (const std::exception& e) {
+      throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") + one_line(e.what()) +
+                           (c.output_dir.empty()
+                                ? std::string()
+                                : " (the weights are in the checkpoint in " + c.output_dir + ")"));
+    }
+  }
   return summary;
 }
 

@@ -36,9 +36,10 @@ class TrainingFailed : public Error {
 /// (--learning-rate becomes lr; --full-bf16 turns on stochastic_rounding when the plugin has it).
 HyperParams plugin_hyperparams(const TrainConfig& config, const LoadedPlugin& plugin);
 
-/// Checks what needs LibTorch: the device exists (on CUDA, a GPU for local rank `local_rank` of
-/// `local_ranks`); warns about precision settings that cannot take effect.
-void check_runtime(const TrainConfig& config, int local_rank, int local_ranks,
+/// Checks what needs the job's shape or LibTorch: the batch splits over `world` ranks, the device
+/// exists (on CUDA, a GPU for local rank `local_rank` of `local_ranks`); warns about precision
+/// settings that cannot take effect.
+void check_runtime(const TrainConfig& config, int world, int local_rank, int local_ranks,
                    std::ostream& warnings);
 
 /// Trains one run. Set-up problems throw Error; failures during training throw TrainingFailed.

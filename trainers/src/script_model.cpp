@@ -3,6 +3,7 @@
 
 #include <filesystem>
 
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/error.h"
 #include "model.h"
 
@@ -44,7 +45,7 @@ class ScriptModel : public Model {
   }
 
   void save(const std::string& path) override {
-    const std::string tmp = path + ".tmp";
+    const std::string tmp = temporary_path(path).string();
     try {
       m_.save(tmp);
       std::filesystem::rename(tmp, path);

@@ -145,6 +145,9 @@ Layer read_layer(const toml::table& t, const std::string& source, bool in_run,
 }
 
 std::string quote(const std::string& s) {
+  // TOML files are UTF-8 (the command line is checked when parsed; this guards the rest).
+  if (!valid_utf8(s))
+    throw Error("'" + s + "' is not valid UTF-8 and cannot be written to a TOML config");
   std::string o = "\"";
   for (unsigned char c : s) {
     switch (c) {
@@ -207,7 +210,10 @@ void write_keys(std::ostringstream& o, const Layer& layer, bool comments) {
       section = s.section;
       o << "\n# " << section << "\n";
     }
-    if (it != layer.values.end())
+    if (it != layer.values.end() && s.derived_default && it->second.where.empty())
+      o << "# " << snake(s.name) << " = " << toml_value(it->second.value)
+        << "  (default worked out per machine and job; uncomment to fix it)\n";
+    else if (it != layer.values.end())
       o << snake(s.name) << " = " << toml_value(it->second.value) << "\n";
     else if (comments)
       o << "# " << snake(s.name) << " is unset\n";
@@ -255,6 +261,13 @@ ConfigFile parse_config_text(const std::string& text, const std::string& source)
         auto v = n->value_exact<std::string>();
         if (!v || v->empty())
           throw Error(where_of(*n, source) + ": runs.name: expected a non-empty string");
+        // The name becomes a folder under output_dir and a suffix of save_model: one plain
+        // path component, never one that leaves the folder.
+        if (*v == "." || *v == ".." ||
+            v->find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                 "0123456789._-") != std::string::npos)
+          throw Error(where_of(*n, source) + ": runs.name: '" + *v +
+                      "' may use only letters, digits, '.', '_' and '-' (it names a folder)");
         r.name = *v;
       }
       if (!names.insert(r.name).second)
