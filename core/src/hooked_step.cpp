@@ -111,24 +111,12 @@ void HookedStep::deferred_check() {
 
 void HookedStep::backward(const at::Tensor& loss) {
   error_ = nullptr;
-  auto fail = [&]() {
-    // The iteration is abandoned: free every gradient and forget what fired.
-    reducer_.abandon();
-    for (auto& p : params_) p.mutable_grad().reset();
-    fired_.assign(params_.size(), false);
-    sum_sq_ = at::Tensor();
-    host_sum_sq_ = 0;
-    any_norm_ = false;
-    device_finite_.clear();
-    device_index_.clear();
-    stepped_ = 0;
-  };
   try {
     loss.backward();
   } catch (...) {
     std::exception_ptr original = error_ ? error_ : std::current_exception();
     error_ = nullptr;
-    fail();
+    abandon_iteration();
     std::rethrow_exception(original);  // the plugin's own exception, not autograd's wrapper
   }
   try {
@@ -138,9 +126,21 @@ void HookedStep::backward(const at::Tensor& loss) {
     }
     deferred_check();
   } catch (...) {
-    fail();
+    abandon_iteration();
     throw;
   }
+}
+
+void HookedStep::abandon_iteration() {
+  reducer_.abandon();
+  for (auto& p : params_) p.mutable_grad().reset();
+  fired_.assign(params_.size(), false);
+  sum_sq_ = at::Tensor();
+  host_sum_sq_ = 0;
+  any_norm_ = false;
+  device_finite_.clear();
+  device_index_.clear();
+  stepped_ = 0;
 }
 
 StepStats HookedStep::finish_iteration() {

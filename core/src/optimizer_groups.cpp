@@ -133,10 +133,16 @@ class OptimizerGroups final : public detail::HookedStep {
   }
 
   StepStats step() override {
-    // A group some of whose parameters got no gradient still steps with those that did.
-    for (size_t k = 0; k < optimizers_.size(); ++k)
-      if (!done_[k] && processed_[k] > 0) step_group(k);
-    sharding_.broadcast(params_);
+    try {
+      // A group some of whose parameters got no gradient still steps with those that did.
+      for (size_t k = 0; k < optimizers_.size(); ++k)
+        if (!done_[k] && processed_[k] > 0) step_group(k);
+      sharding_.broadcast(params_);
+    } catch (...) {
+      abandon_iteration();  // a plugin failed: the next iteration starts clean
+      reset();
+      throw;
+    }
     StepStats stats = finish_iteration();
     reset();
     return stats;

@@ -184,6 +184,7 @@ class NormalStep final : public StepMode {
           stats.skipped = true;
           return stats;
         }
+        opt.zero_grad(true);  // a caller that goes on must not add to these gradients
         throw NonFiniteError("non-finite gradient in parameter '" + names_[i] +
                              "'; no parameter was updated in this iteration");
       }

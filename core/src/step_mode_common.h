@@ -68,6 +68,9 @@ class HookedStep : public StepMode {
   /// End-of-iteration bookkeeping: warns (once each) about parameters that got no gradient,
   /// resets the per-iteration flags and returns the statistics gathered by the hooks.
   StepStats finish_iteration();
+  /// Abandons the iteration after a failure: frees every gradient and forgets what fired, so the
+  /// next backward starts clean.
+  void abandon_iteration();
   /// Device gradients: reads the finiteness flags gathered during backward (one host sync) and
   /// throws NonFiniteError naming the first non-finite gradient.
   void deferred_check();

@@ -264,7 +264,52 @@ TEST(StepModes, NonFiniteGradientStopsBeforeTheParameterIsUpdated) {
     }
     EXPECT_TRUE(at::isfinite(a).all().item<bool>()) << mode_name;
     EXPECT_TRUE(at::equal(a, at::ones({2}, at::kDouble))) << mode_name;
+    // Nothing is left for a caller that goes on: no gradient survives the error.
+    EXPECT_FALSE(a.grad().defined()) << mode_name;
+    EXPECT_FALSE(b.grad().defined()) << mode_name;
   }
+}
+
+namespace {
+// Plain SGD that throws once, on its next update after being armed.
+class FlakyOptimizer final : public Optimizer {
+ public:
+  FlakyOptimizer(std::vector<ParamGroup> groups, bool& armed)
+      : Optimizer(std::move(groups), HyperParams{}), armed_(armed) {}
+
+ protected:
+  void update_param(const at::Tensor& param, ParamState& state, size_t group) override {
+    if (armed_) {
+      armed_ = false;
+      throw Error("flaky optimizer failed on purpose");
+    }
+    param.sub_(param.grad() * lr(group));
+    ++state.step;
+  }
+
+ private:
+  bool& armed_;
+};
+}  // namespace
+
+// A plugin failing in groups' step() (a group left incomplete by a parameter without gradient
+// steps there) abandons the iteration: the next one trains normally.
+TEST(StepModes, GroupsRecoverWhenAPluginFailsAtTheEndOfAnIteration) {
+  TinyLm model(at::kDouble, /*with_unused=*/true);
+  bool armed = false;
+  auto mode = make_optimizer_groups(
+      model.groups(), 1, SplitPolicy::Count,
+      [&](std::vector<ParamGroup> g) { return std::make_shared<FlakyOptimizer>(g, armed); });
+  mode->backward(model.loss(0));
+  mode->step();
+  armed = true;
+  mode->backward(model.loss(1));  // the only group waits for the unused parameter
+  EXPECT_THROW(mode->step(), Error);
+  for (auto& p : model.params) EXPECT_FALSE(p.grad().defined());
+  const at::Tensor before = model.params[0].detach().clone();
+  EXPECT_NO_THROW(mode->backward(model.loss(2)));
+  EXPECT_NO_THROW(mode->step());
+  EXPECT_FALSE(at::equal(before, model.params[0].detach()));
 }
 
 // A float32 gradient whose values are finite but whose sum of squares overflows (norm > ~1.8e19)
