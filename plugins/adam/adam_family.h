@@ -48,6 +48,9 @@ class AdamFamily final : public fusebox::Optimizer {
       state["exp_avg"] = at::zeros_like(p);
       state["exp_avg_sq"] = at::zeros_like(p);
       if (amsgrad_) state["max_exp_avg_sq"] = at::zeros_like(p);
+    } else if (amsgrad_ && !state.tensors.count("max_exp_avg_sq")) {
+      // amsgrad switched on when resuming: the maximum so far starts at the current average.
+      state["max_exp_avg_sq"] = state["exp_avg_sq"].clone();
     }
     ++state.step;
     const double lr = this->lr(group);

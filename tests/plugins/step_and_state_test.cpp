@@ -159,3 +159,29 @@ TEST(AutoLr, RejectsGroupsWithDifferentLearningRates) {
 }
 
 }  // namespace
+
+// amsgrad switched on when resuming state saved without it: the running maximum starts at the
+// saved second moment (instead of silently staying off).
+TEST(StateDict, AmsgradSwitchedOnAtResumeKeepsARunningMaximum) {
+  const auto init = initial_params(at::kDouble);
+  const auto grads = gradient_sequence(init, 3);
+  auto a = fbt::leaf_copies(init);
+  auto plain = fbt::make("adamw.so", a, {{"lr", "0.01"}});
+  for (int s = 0; s < 2; ++s) {
+    fbt::set_grads(a, grads[s]);
+    plain->step();
+  }
+  const fusebox::StateDict saved = plain->state_dict();
+  const std::string name = plain->group(0).names[0];
+  ASSERT_EQ(saved.count(name + "/max_exp_avg_sq"), 0u);
+  const at::Tensor v2 = saved.at(name + "/exp_avg_sq").clone();
+  auto b = fbt::leaf_copies(a);
+  auto ams = fbt::make("adamw.so", b, {{"lr", "0.01"}, {"amsgrad", "true"}});
+  ams->load_state_dict(saved);
+  fbt::set_grads(b, grads[2]);
+  ams->step();
+  const fusebox::StateDict after = ams->state_dict();
+  ASSERT_EQ(after.count(name + "/max_exp_avg_sq"), 1u);
+  EXPECT_TRUE(at::equal(after.at(name + "/max_exp_avg_sq"),
+                        at::maximum(v2, after.at(name + "/exp_avg_sq"))));
+}

@@ -10,10 +10,13 @@ class Momentum final : public fusebox::Optimizer {
   static void declare_schema(fusebox::Schema& s) {
     s.real("lr", 1e-2, "learning rate").above(0);
     s.real("momentum", 0.9, "momentum factor mu").at_least(0).below(1);
+    s.flag("stochastic_rounding", false, "round bf16 parameters stochastically on write-back");
   }
 
   Momentum(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)
-      : Optimizer(std::move(groups), hp), momentum_(hp.real("momentum")) {}
+      : Optimizer(std::move(groups), hp),
+        momentum_(hp.real("momentum")),
+        stochastic_(hp.flag("stochastic_rounding")) {}
 
  protected:
   void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t group) override {
@@ -23,11 +26,13 @@ class Momentum final : public fusebox::Optimizer {
     velocity.mul_(momentum_).add_(param.grad().to(p.scalar_type()));
     p.add_(velocity, -lr(group));
     ++state.step;
-    fusebox::write_back(param, p, /*stochastic=*/false);
+    // The seed makes the rounding noise independent of the order of updates (fused, groups).
+    fusebox::write_back(param, p, stochastic_, rounding_seed(param));
   }
 
  private:
   double momentum_;
+  bool stochastic_;
 };
 
 }  // namespace
