@@ -52,7 +52,14 @@ T get(const std::string& in, size_t offset) {
 }
 
 // What an entry of the payload holds.
-enum class Section : uint8_t { Model = 0, Optimizer = 1, Rng = 2, Meta = 3, Counter = 4 };
+enum class Section : uint8_t {
+  Model = 0,
+  Optimizer = 1,
+  Rng = 2,
+  Meta = 3,
+  Counter = 4,
+  Buffer = 5
+};
 
 // A bounds-checked cursor over an untrusted payload: every length is checked against what is
 // left before it is used, so a crafted file gives an Error, never an out-of-bounds read.
@@ -181,8 +188,8 @@ void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
 
 std::string encode_checkpoint(const Checkpoint& ckpt) {
   std::string payload;
-  const uint64_t entries = ckpt.model.size() + ckpt.optimizer.size() + ckpt.rng.size() +
-                           ckpt.meta.size() + ckpt.counters.size();
+  const uint64_t entries = ckpt.model.size() + ckpt.buffers.size() + ckpt.optimizer.size() +
+                           ckpt.rng.size() + ckpt.meta.size() + ckpt.counters.size();
   put<uint64_t>(payload, entries);
   auto key = [&](Section s, const std::string& k) {
     put<uint8_t>(payload, static_cast<uint8_t>(s));
@@ -199,6 +206,7 @@ std::string encode_checkpoint(const Checkpoint& ckpt) {
     if (nbytes > 0) payload.append(static_cast<const char*>(t.data_ptr()), nbytes);
   };
   for (const auto& [k, v] : ckpt.model) key(Section::Model, k), tensor(v);
+  for (const auto& [k, v] : ckpt.buffers) key(Section::Buffer, k), tensor(v);
   for (const auto& [k, v] : ckpt.optimizer) key(Section::Optimizer, k), tensor(v);
   for (const auto& [k, v] : ckpt.rng) key(Section::Rng, k), tensor(v);
   for (const auto& [k, v] : ckpt.meta) {
@@ -244,6 +252,9 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where) 
     switch (static_cast<Section>(section)) {
       case Section::Model:
         out.model[k] = in.tensor();
+        break;
+      case Section::Buffer:
+        out.buffers[k] = in.tensor();
         break;
       case Section::Optimizer:
         out.optimizer[k] = in.tensor();
@@ -312,29 +323,47 @@ void load_merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& 
   for (const auto& opt : optimizers) opt->load_state_dict(state);
 }
 
-void restore_parameters(const std::map<std::string, at::Tensor>& saved,
-                        const std::vector<std::pair<std::string, at::Tensor>>& params) {
-  if (saved.size() != params.size())
-    throw Error("checkpoint has " + std::to_string(saved.size()) + " parameters, this model has " +
-                std::to_string(params.size()) + ": resume with the same model and options");
+namespace {
+
+// Copies `saved` into `live` (in place), refusing any difference of names, shapes or float width;
+// `what` is "parameter" or "buffer".
+void restore_named(const std::map<std::string, at::Tensor>& saved,
+                   const std::vector<std::pair<std::string, at::Tensor>>& live,
+                   const std::string& what) {
+  if (saved.size() != live.size())
+    throw Error("checkpoint has " + std::to_string(saved.size()) + " " + what +
+                "s, this model has " + std::to_string(live.size()) +
+                ": resume with the same model and options");
   at::NoGradGuard no_grad;
-  for (const auto& [name, p] : params) {
+  for (const auto& [name, p] : live) {
     auto it = saved.find(name);
     if (it == saved.end())
-      throw Error("checkpoint has no parameter '" + name + "': resume with the same model");
+      throw Error("checkpoint has no " + what + " '" + name + "': resume with the same model");
     if (it->second.sizes() != p.sizes())
-      throw Error("checkpoint parameter '" + name + "' has shape " + c10::str(it->second.sizes()) +
-                  ", this model's has " + c10::str(p.sizes()) +
+      throw Error("checkpoint " + what + " '" + name + "' has shape " +
+                  c10::str(it->second.sizes()) + ", this model's has " + c10::str(p.sizes()) +
                   ": resume with the same model options");
     // float32 <-> bf16/fp16 is a change of storage a resume may make (--full-bf16); float64 is a
     // different run, whose float64 optimizer state would meet float32 parameters.
     const at::ScalarType from = it->second.scalar_type(), to = p.scalar_type();
     if (from != to && (from == at::kDouble || to == at::kDouble))
-      throw Error("checkpoint parameter '" + name + "' is " + c10::toString(from) +
+      throw Error("checkpoint " + what + " '" + name + "' is " + c10::toString(from) +
                   ", this model's is " + c10::toString(to) + ": resume with --dtype " +
                   (from == at::kDouble ? "float64" : "float32"));
     p.copy_(it->second);
   }
+}
+
+}  // namespace
+
+void restore_parameters(const std::map<std::string, at::Tensor>& saved,
+                        const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  restore_named(saved, params, "parameter");
+}
+
+void restore_buffers(const std::map<std::string, at::Tensor>& saved,
+                     const std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+  restore_named(saved, buffers, "buffer");
 }
 
 std::map<std::string, at::Tensor> capture_rng_state() {

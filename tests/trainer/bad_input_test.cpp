@@ -1,6 +1,7 @@
 // Bad input through the real trainer program: each case exits non-zero (never by a signal), prints
 // exactly one line on stderr naming the culprit, and leaves nothing in the output folder.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <fstream>
 #include <sstream>
@@ -49,6 +50,15 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
   }
   tmp.write("corrupt.fbx", "FUSEBOX-CKPT but then garbage");
   tmp.write("a_file", "x");
+  ASSERT_EQ(::mkfifo(tmp.file("fifo").c_str(), 0600), 0);
+  // Weights written by --save-model: a torch archive without a forward method.
+  ASSERT_EQ(
+      run_program("--model mlp --model-width 8 --threads 1 --optimizer sgd --max-train-steps 1 "
+                  "--output-dir '' --save-model " +
+                      tmp.file("weights.pt"),
+                  tmp.str())
+          .code,
+      0);
 
   const std::vector<BadCase> cases{
       {"malformed toml", "--config {dir}/malformed.toml", "malformed.toml:", 2},
@@ -100,6 +110,10 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"batch over ranks", "--optimizer sgd --nproc-per-node 2 --train-batch-size 3",
        "cannot be split evenly over 2 ranks", 2},
       {"not UTF-8", "--optimizer sgd --output-dir {dir}/\xff", "not valid UTF-8", 2},
+      {"dataset is a pipe", "--optimizer sgd --model transformer --dataset text:{dir}/fifo",
+       "is not a regular file", 2},
+      {"script without forward", "--optimizer sgd --model-script {dir}/weights.pt",
+       "has no forward method", 2},
   };
   int i = 0;
   for (const BadCase& c : cases) {

@@ -1,6 +1,9 @@
 // Checkpoints through the trainer: a run stopped at step k and resumed equals an uninterrupted
 // run bit for bit, in every mode and across modes; bad checkpoints and mismatches are refused.
 #include <gtest/gtest.h>
+#include <torch/script.h>
+
+#include <sstream>
 
 #include "fusebox/core/checkpoint.h"
 #include "trainer_test_util.h"
@@ -163,4 +166,67 @@ TEST(TrainerResume, AFolderUsedByTwoRunsKeepsTheCurrentRunsCheckpoints) {
   EXPECT_EQ(left,
             (std::vector<std::string>{fusebox::checkpoint_name(8), fusebox::checkpoint_name(10)}));
   EXPECT_EQ(read_text(dir + "/" + fusebox::checkpoint_name(10)), ten);
+}
+
+// A resumed run's metrics files continue the history of the run its checkpoint came from:
+// steps 1..k from that run's files, then its own.
+TEST(TrainerResume, MetricsFilesKeepTheHistoryBeforeTheResumePoint) {
+  TempDir tmp;
+  const std::string a = tmp.file("a"), b = tmp.file("b");
+  auto r = run_trainer(with(base_args(a, "sgd", 6), {"--save-every-n-steps", "3"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_trainer(
+      with(base_args(b, "sgd", 6), {"--resume", a + "/" + fusebox::checkpoint_name(3)}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto lines = [](const std::string& text) {
+    std::vector<std::string> out;
+    std::istringstream in(text);
+    for (std::string l; std::getline(in, l);) out.push_back(l);
+    return out;
+  };
+  for (const char* file : {"metrics.jsonl", "metrics.csv"}) {
+    SCOPED_TRACE(file);
+    const auto before = lines(read_text(a + "/" + file)), after = lines(read_text(b + "/" + file));
+    const size_t header = std::string(file) == "metrics.csv" ? 1 : 0;
+    ASSERT_EQ(after.size(), header + 6);
+    for (size_t i = 0; i < header + 3; ++i) EXPECT_EQ(after[i], before[i]);  // carried over
+    const std::string step4 = header ? "4," : "{\"step\":4,";
+    EXPECT_EQ(after[header + 3].rfind(step4, 0), 0u) << after[header + 3];
+  }
+}
+
+// A script model whose forward updates a buffer (as BatchNorm's running statistics do): the
+// checkpoint carries the buffer, so a resumed run equals an uninterrupted one.
+TEST(TrainerResume, ScriptModelBuffersAreSavedAndRestored) {
+  TempDir tmp;
+  torch::jit::Module m("Net");
+  torch::manual_seed(0);
+  m.register_parameter("w", torch::randn({8, 1}), false);
+  m.register_parameter("b", torch::zeros({1}), false);
+  m.register_buffer("running", torch::zeros({8}));
+  m.define(R"(
+def forward(self, x):
+    self.running.copy_(0.5 * self.running + 0.5 * x.mean(0).detach())
+    y = x.sum(1, keepdim=True)
+    return (((x - self.running).matmul(self.w) + self.b - y) ** 2).mean()
+)");
+  const std::string script = tmp.file("net.pt");
+  m.save(script);
+  auto args = [&](const std::string& out) {
+    return std::vector<std::string>{"--model-script", script, "--model-width",     "8",
+                                    "--optimizer",    "sgd",  "--learning-rate",   "0.05",
+                                    "--threads",      "1",    "--max-train-steps", "6",
+                                    "--output-dir",   out,    "--log-every",       "100"};
+  };
+  const std::string a = tmp.file("a"), b = tmp.file("b");
+  auto r = run_trainer(with(args(a), {"--save-every-n-steps", "3"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_trainer(with(args(b), {"--resume", a + "/" + fusebox::checkpoint_name(3)}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto whole = fusebox::load_checkpoint(a + "/" + fusebox::checkpoint_name(6));
+  const auto resumed = fusebox::load_checkpoint(b + "/" + fusebox::checkpoint_name(6));
+  ASSERT_EQ(whole.buffers.count("running"), 1u);
+  EXPECT_FALSE(at::equal(whole.buffers.at("running"), at::zeros({8})));  // forward updated it
+  expect_same(whole.buffers, resumed.buffers, "buffers");
+  expect_same(whole.model, resumed.model, "parameters");
 }

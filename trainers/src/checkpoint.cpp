@@ -40,6 +40,8 @@ std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const Loa
 void restore_model(const Checkpoint& ckpt, Model& model) {
   try {
     restore_parameters(ckpt.model, model.parameters());
+    const auto buffers = model.buffers();
+    if (!ckpt.buffers.empty() || !buffers.empty()) restore_buffers(ckpt.buffers, buffers);
   } catch (const Error& e) {
     throw Error(std::string("--resume: ") + e.what());
   }
@@ -55,17 +57,38 @@ int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrSchedul
   } catch (const Error& e) {
     throw Error(std::string("--resume: ") + e.what());
   }
-  scheduler.set_step_count(ckpt.counters.at("scheduler_steps"));
-  restore_rng_state(ckpt.rng);
-  if (auto it = ckpt.rng.find("data"); it != ckpt.rng.end()) data.generator().set_state(it->second);
-  return ckpt.counters.at("step");
+  // A file with a valid checksum may still come from another writer (or a future version).
+  auto counter = [&](const char* name) {
+    auto it = ckpt.counters.find(name);
+    if (it == ckpt.counters.end() || it->second < 0)
+      throw Error(std::string("--resume: the checkpoint has no valid '") + name +
+                  "' counter: it was not written by fusebox's trainer");
+    return it->second;
+  };
+  const int64_t step = counter("step"), scheduler_steps = counter("scheduler_steps");
+  scheduler.set_step_count(scheduler_steps);
+  try {
+    restore_rng_state(ckpt.rng);
+    if (auto it = ckpt.rng.find("data"); it != ckpt.rng.end())
+      data.generator().set_state(it->second);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    throw Error("--resume: the checkpoint's random generator state cannot be restored: " +
+                what.substr(0, what.find('\n')));
+  }
+  return step;
+}
+
+bool checkpoint_due(const TrainConfig& c, int64_t step, bool final) {
+  if (c.output_dir.empty()) return false;
+  return final || (c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0);
 }
 
 void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool final) {
   const TrainConfig& c = ctx.config;
-  if (c.output_dir.empty()) return;
-  const bool due = c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0;
-  if (!due && !final) return;
+  if (!checkpoint_due(c, step, final)) return;
   // Every rank gets here at the same steps (the decision above is the same on all of them).
   Checkpoint ckpt;
   ckpt.optimizer = merged_optimizer_state(ctx.mode.optimizers());
@@ -84,6 +107,7 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   const fs::path path = fs::path(c.output_dir) / checkpoint_name(step);
   std::error_code ec;
   for (const auto& [name, t] : ctx.model.parameters()) ckpt.model[name] = t;
+  for (const auto& [name, t] : ctx.model.buffers()) ckpt.buffers[name] = t;
   ckpt.rng = capture_rng_state();
   ckpt.rng["data"] = ctx.data.generator().get_state();
   ckpt.counters["step"] = step;

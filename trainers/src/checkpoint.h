@@ -58,6 +58,10 @@ struct CheckpointContext {
   bool sharded = false;                ///< ZeRO-1: the state is gathered from every rank first
 };
 
+/// True when a checkpoint is saved after `step` steps: every --save-every-n-steps, and when
+/// `final`, if --output-dir is set.
+bool checkpoint_due(const TrainConfig& config, int64_t step, bool final);
+
 /// Saves a checkpoint after `step` steps when --save-every-n-steps says so or when `final`
 /// (and --output-dir is set), then prunes per --keep-last-n-checkpoints. Data parallel: every
 /// rank calls it; rank 0 writes one file, the same whatever the world size (with sharded state,

@@ -43,6 +43,9 @@ void check_readable_file(const std::string& label, const std::string& path, cons
   std::error_code ec;
   if (!fs::exists(path, ec)) throw Error(label + ": " + what + " " + path + " does not exist");
   if (fs::is_directory(path, ec)) throw Error(label + ": " + what + " " + path + " is a folder");
+  // A pipe or device would block the trainer or never end; only files are read.
+  if (!fs::is_regular_file(path, ec))
+    throw Error(label + ": " + what + " " + path + " is not a regular file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(label + ": " + what + " " + path + " cannot be read");
 }

@@ -43,6 +43,9 @@ class Model {
   virtual ~Model() = default;
   /// Every trainable tensor once (tied weights appear once), with dotted names.
   virtual std::vector<std::pair<std::string, at::Tensor>> parameters() = 0;
+  /// Tensors the model keeps besides its parameters and may change while training (a script
+  /// module's buffers, e.g. BatchNorm's running statistics); checkpoints save and restore them.
+  virtual std::vector<std::pair<std::string, at::Tensor>> buffers() { return {}; }
   /// The scalar training loss of `batch`.
   virtual at::Tensor loss(const Batch& batch) = 0;
   /// One line: kind, sizes, parameter count.

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -161,43 +162,85 @@ std::string comparison_table(const std::vector<RunSummary>& runs) {
   return o.str();
 }
 
-MetricsFiles::MetricsFiles(const std::string& folder, size_t num_groups) : folder_(folder) {
+namespace {
+
+std::string csv_header(size_t num_groups) {
+  std::string h = "step,loss";
+  for (size_t g = 0; g < num_groups; ++g) h += ",lr_" + std::to_string(g);
+  for (size_t g = 0; g < num_groups; ++g) h += ",effective_lr_" + std::to_string(g);
+  return h + ",grad_norm,step_seconds,peak_bytes,peak_phase";
+}
+
+// The step a record starts with ("{\"step\":12," or "12,"), or -1.
+int64_t record_step(const std::string& line, const std::string& prefix) {
+  if (line.compare(0, prefix.size(), prefix) != 0) return -1;
+  int64_t step = 0;
+  const char* begin = line.data() + prefix.size();
+  const auto [end, ec] = std::from_chars(begin, line.data() + line.size(), step);
+  return ec == std::errc() && end != begin ? step : -1;
+}
+
+std::string records_up_to(const fs::path& file, int64_t step, const std::string& prefix,
+                          const std::string* header) {
+  std::ifstream in(file, std::ios::binary);
+  std::string line, out;
+  if (!in || (header && (!std::getline(in, line) || line != *header))) return out;
+  while (std::getline(in, line)) {
+    const int64_t s = record_step(line, prefix);
+    if (s >= 1 && s <= step) out += line + "\n";
+  }
+  return out;
+}
+
+}  // namespace
+
+MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups) {
+  MetricsHistory h;
+  const std::string header = csv_header(num_groups);
+  h.jsonl = records_up_to(fs::path(folder) / "metrics.jsonl", step, "{\"step\":", nullptr);
+  h.csv_rows = records_up_to(fs::path(folder) / "metrics.csv", step, "", &header);
+  return h;
+}
+
+MetricsFiles::MetricsFiles(const std::string& folder, size_t num_groups, MetricsHistory history)
+    : folder_(folder),
+      header_(csv_header(num_groups) + "\n"),
+      jsonl_(std::move(history.jsonl)),
+      csv_(std::move(history.csv_rows)) {
   if (folder_.empty()) return;
   std::error_code ec;
   fs::create_directories(folder_, ec);
   if (ec) throw Error("--output-dir: cannot create " + folder_ + ": " + ec.message());
-  jsonl_ = std::make_unique<AtomicFile>((fs::path(folder_) / "metrics.jsonl").string());
-  csv_ = std::make_unique<AtomicFile>((fs::path(folder_) / "metrics.csv").string());
-  std::ostream& c = csv_->stream();
-  c << "step,loss";
-  for (size_t g = 0; g < num_groups; ++g) c << ",lr_" << g;
-  for (size_t g = 0; g < num_groups; ++g) c << ",effective_lr_" << g;
-  c << ",grad_norm,step_seconds,peak_bytes,peak_phase\n";
 }
 
 void MetricsFiles::add(const StepMetrics& m) {
-  if (!jsonl_) return;
-  jsonl_->stream() << "{\"step\":" << m.step << ",\"loss\":" << json_number(m.loss)
-                   << ",\"lr\":" << json_array(m.lrs)
-                   << ",\"effective_lr\":" << json_array(m.effective_lrs)
-                   << ",\"grad_norm\":" << (m.grad_norm < 0 ? "null" : json_number(m.grad_norm))
-                   << ",\"step_seconds\":" << json_number(m.step_seconds)
-                   << ",\"peak_bytes\":" << m.peak_bytes
-                   << ",\"peak_phase\":" << json_string(m.peak_phase) << "}\n";
-  std::ostream& c = csv_->stream();
+  if (folder_.empty()) return;
+  std::ostringstream j;
+  j << "{\"step\":" << m.step << ",\"loss\":" << json_number(m.loss)
+    << ",\"lr\":" << json_array(m.lrs) << ",\"effective_lr\":" << json_array(m.effective_lrs)
+    << ",\"grad_norm\":" << (m.grad_norm < 0 ? "null" : json_number(m.grad_norm))
+    << ",\"step_seconds\":" << json_number(m.step_seconds) << ",\"peak_bytes\":" << m.peak_bytes
+    << ",\"peak_phase\":" << json_string(m.peak_phase) << "}\n";
+  jsonl_ += j.str();
+  std::ostringstream c;
   c << m.step << "," << json_number(m.loss);
   for (double v : m.lrs) c << "," << format_real(v);
   for (double v : m.effective_lrs) c << "," << format_real(v);
   c << "," << (m.grad_norm < 0 ? "" : format_real(m.grad_norm)) << ","
     << format_real(m.step_seconds) << "," << m.peak_bytes << "," << m.peak_phase << "\n";
+  csv_ += c.str();
+}
+
+void MetricsFiles::snapshot() {
+  if (folder_.empty()) return;
+  write_file_atomically((fs::path(folder_) / "metrics.jsonl").string(), jsonl_);
+  write_file_atomically((fs::path(folder_) / "metrics.csv").string(), header_ + csv_);
 }
 
 void MetricsFiles::commit(const RunSummary& s) {
-  if (!jsonl_) return;
-  // Summary first: if it cannot be written, the metrics files are discarded with it.
+  if (folder_.empty()) return;
   write_file_atomically((fs::path(folder_) / "summary.json").string(), summary_json(s));
-  jsonl_->commit();
-  csv_->commit();
+  snapshot();
 }
 
 Progress::Progress(std::ostream& out, bool terminal, int64_t total_steps, int64_t log_every,

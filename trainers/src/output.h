@@ -67,17 +67,32 @@ std::string summary_text(const RunSummary& s);
 /// Side-by-side table of several runs.
 std::string comparison_table(const std::vector<RunSummary>& runs);
 
+/// Metrics records carried over from the run a resumed checkpoint belongs to.
+struct MetricsHistory {
+  std::string jsonl;     ///< metrics.jsonl lines of steps up to the resume point
+  std::string csv_rows;  ///< metrics.csv rows of those steps (empty when the columns differ)
+};
+
+/// The records of steps 1..`step` in `folder`'s metrics files, where the run that wrote the
+/// checkpoint being resumed kept them; CSV rows only when that file has the columns of
+/// `num_groups` groups.
+MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups);
+
 /// Per-step metrics files (metrics.jsonl, metrics.csv) in a folder; nothing when folder is "".
+/// Records are kept in memory and the files rewritten whole (atomically) at each snapshot and at
+/// the end, so they never hold half a line and always cover the newest checkpoint's steps.
 class MetricsFiles {
  public:
-  MetricsFiles(const std::string& folder, size_t num_groups);
+  MetricsFiles(const std::string& folder, size_t num_groups, MetricsHistory history = {});
   void add(const StepMetrics& m);
-  /// Renames the files into place, with summary.json beside them.
+  /// Writes metrics.jsonl and metrics.csv as they stand (before each checkpoint).
+  void snapshot();
+  /// Writes summary.json, then the metrics files.
   void commit(const RunSummary& s);
 
  private:
-  std::string folder_;
-  std::unique_ptr<AtomicFile> jsonl_, csv_;
+  std::string folder_, header_;
+  std::string jsonl_, csv_;
 };
 
 /// Progress on the console: a redrawn bar on a terminal, plain lines every `log_every` steps

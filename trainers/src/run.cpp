@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 
 #include "checkpoint.h"
 #include "data.h"
@@ -19,6 +20,8 @@
 #include "model.h"
 
 namespace fusebox::trainer {
+
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -256,7 +259,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                   "saves and leaves the others (use another --output-dir to keep runs apart)\n")
               << std::flush;
   }
-  MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size());
+  // A resumed run's files continue the history of the run its checkpoint came from.
+  MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size(),
+                     resumed && dist.leader()
+                         ? read_metrics_history(fs::path(resumed_from).parent_path().string(),
+                                                first_step, scheduler.lrs().size())
+                         : MetricsHistory{});
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]");
   const bool autocast = autocast_enabled(c);
@@ -334,7 +342,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         summary.peak_bytes = m.peak_bytes, summary.peak_phase = m.peak_phase;
       files.add(m);
       progress.update(m, seconds_since(start));
-      save_checkpoint_if_due(ckpt_ctx, step, /*final=*/step == c.max_train_steps);
+      const bool final = step == c.max_train_steps;
+      // Metrics first: after a kill they cover at least the newest checkpoint's steps.
+      if (checkpoint_due(c, step, final) && !final && dist.leader()) files.snapshot();
+      save_checkpoint_if_due(ckpt_ctx, step, final);
     }
   } catch (const std::exception& e) {
     progress.finish();

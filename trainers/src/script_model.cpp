@@ -21,6 +21,13 @@ class ScriptModel : public Model {
     return unique_parameters(std::move(named));
   }
 
+  std::vector<std::pair<std::string, at::Tensor>> buffers() override {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& b : m_.named_buffers(/*recurse=*/true))
+      if (b.value.defined()) named.emplace_back(b.name, b.value);
+    return named;
+  }
+
   at::Tensor loss(const Batch& b) override {
     c10::IValue out;
     try {
@@ -73,6 +80,10 @@ std::unique_ptr<Model> load_script_model(const std::string& path, c10::Device de
     std::string msg = e.what();
     throw Error("model script " + path + " cannot be loaded: " + msg.substr(0, msg.find('\n')));
   }
+  if (!m.find_method("forward"))
+    throw Error("model script " + path +
+                " has no forward method: it must be a TorchScript module whose forward(batch) "
+                "returns the loss (a --save-model file holds weights only)");
   m.to(dtype);
   m.train();
   for (const auto& p : m.parameters(/*recurse=*/true)) p.set_requires_grad(true);

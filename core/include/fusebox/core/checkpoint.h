@@ -26,11 +26,12 @@ namespace fusebox {
 
 /// Everything needed to continue a run exactly.
 struct Checkpoint {
-  std::map<std::string, at::Tensor> model;  ///< parameter name -> values
-  StateDict optimizer;                      ///< merged state of every optimizer instance
-  std::map<std::string, std::string> meta;  ///< plugin, plugin_version, mode, config, ...
-  std::map<std::string, int64_t> counters;  ///< step, scheduler_steps, ...
-  std::map<std::string, at::Tensor> rng;    ///< generator states ("cpu", "cuda:0", ...)
+  std::map<std::string, at::Tensor> model;    ///< parameter name -> values
+  std::map<std::string, at::Tensor> buffers;  ///< model buffers (running statistics), by name
+  StateDict optimizer;                        ///< merged state of every optimizer instance
+  std::map<std::string, std::string> meta;    ///< plugin, plugin_version, mode, config, ...
+  std::map<std::string, int64_t> counters;    ///< step, scheduler_steps, ...
+  std::map<std::string, at::Tensor> rng;      ///< generator states ("cpu", "cuda:0", ...)
 };
 
 /// Writes `ckpt` to `path` atomically (temp file + fsync + rename). Throws Error naming the path.
@@ -56,10 +57,14 @@ StateDict owned_optimizer_state(const StateDict& merged, const std::vector<Param
 void load_merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers,
                                  const StateDict& state);
 
-/// Copies saved values into `params` (name -> tensor), checking names and shapes; throws Error
-/// naming the first difference.
+/// Copies saved values into `params` (name -> tensor), checking names, shapes and float width
+/// (float64 against float32 is refused; bf16 against float32 is not); throws Error naming the
+/// first difference.
 void restore_parameters(const std::map<std::string, at::Tensor>& saved,
                         const std::vector<std::pair<std::string, at::Tensor>>& params);
+/// The same for a model's buffers (Checkpoint::buffers).
+void restore_buffers(const std::map<std::string, at::Tensor>& saved,
+                     const std::vector<std::pair<std::string, at::Tensor>>& buffers);
 
 /// States of the default generators (CPU, and each CUDA device when present).
 std::map<std::string, at::Tensor> capture_rng_state();
