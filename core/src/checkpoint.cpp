@@ -434,7 +434,7 @@ void remove_stale_temporaries(const fs::path& dir) {
   // Only temporaries of the files fusebox writes into an output folder (see temporary_path),
   // garbage once their writer is gone (killed mid-write); anything else there is the user's.
   static const std::regex temporary(
-      R"(\.(checkpoint-\d+\.fbx|metrics\.jsonl|metrics\.csv|summary\.json|comparison\.txt)\.tmp\.(\d{1,9}))");
+      R"(\.(checkpoint-\d+\.fbx|latest-checkpoint|metrics\.jsonl|metrics\.csv|summary\.json|comparison\.txt)\.tmp\.(\d{1,9}))");
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     std::smatch m;
@@ -447,19 +447,27 @@ void remove_stale_temporaries(const fs::path& dir) {
   }
 }
 
+namespace {
+constexpr const char* kLatestPointer = "latest-checkpoint";
+}  // namespace
+
+void mark_latest_checkpoint(const fs::path& checkpoint) {
+  write_file_atomically(checkpoint.parent_path() / kLatestPointer,
+                        checkpoint.filename().string() + "\n");
+}
+
 std::optional<fs::path> latest_checkpoint(const fs::path& dir) {
-  std::optional<fs::path> best;
-  fs::file_time_type best_time{};
-  int64_t best_step = -1;
-  for (const fs::path& p : list_checkpoints(dir)) {  // by step: a tie in time goes to the later
+  // The pointer travels with the folder (copies, syncs), unlike modification times.
+  std::ifstream in(dir / kLatestPointer);
+  std::string name;
+  if (in && std::getline(in, name) && checkpoint_step(name) &&
+      name.find('/') == std::string::npos) {
     std::error_code ec;
-    const fs::file_time_type t = fs::last_write_time(p, ec);
-    if (ec) continue;
-    const int64_t step = *checkpoint_step(p);
-    if (!best || t > best_time || (t == best_time && step > best_step))
-      best = p, best_time = t, best_step = step;
+    if (fs::is_regular_file(dir / name, ec)) return dir / name;
   }
-  return best;
+  const std::vector<fs::path> all = list_checkpoints(dir);  // no pointer: the highest step
+  if (all.empty()) return std::nullopt;
+  return all.back();
 }
 
 void prune_checkpoints(const fs::path& dir, int64_t keep, int64_t newest_step) {

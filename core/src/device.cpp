@@ -1,11 +1,10 @@
 // Picks the training device: the CPU, or the local rank's own GPU.
 #include "fusebox/core/device.h"
 
-#include "fusebox/error.h"
+#include <ATen/Context.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#if defined(FUSEBOX_WITH_CUDA)
-#include <c10/cuda/CUDAFunctions.h>
-#endif
+#include "fusebox/error.h"
 
 namespace fusebox {
 
@@ -26,11 +25,9 @@ int gpu_for_local_rank(int local_rank, int local_world_size, int visible_gpus) {
 }
 
 int visible_gpus() {
-#if defined(FUSEBOX_WITH_CUDA)
-  return static_cast<int>(c10::cuda::device_count());
-#else
-  return 0;  // a LibTorch without CUDA
-#endif
+  // Through LibTorch's hooks, not c10::cuda: a CUDA LibTorch runs fusebox on the GPU even when
+  // fusebox itself was built without nvcc (FUSEBOX_WITH_CUDA off).
+  return at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
 }
 
 c10::Device select_device(const DeviceRequest& request) {
@@ -39,10 +36,9 @@ c10::Device select_device(const DeviceRequest& request) {
     throw Error("--device " + request.kind + ": unknown device; use cpu or cuda");
   const int index =
       gpu_for_local_rank(request.local_rank, request.local_world_size, visible_gpus());
-#if defined(FUSEBOX_WITH_CUDA)
-  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
-#endif
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
+  return device;
 }
 
 }  // namespace fusebox

@@ -51,7 +51,6 @@ class DAdaptAdam final : public fusebox::Optimizer {
     const int64_t step = static_cast<int64_t>(k) + 1;
     const double bc = fusebox::adam_bias_factor(bias_correction_, beta1_, beta2_, step);
     const double dlr = d * lr * bc, sb = std::sqrt(beta2_);
-    applied_dlr_ = dlr;
 
     // Pass 1: moments, s, and the sums for d, accumulated on the device (one host sync).
     at::Tensor num, l1;
@@ -87,6 +86,7 @@ class DAdaptAdam final : public fusebox::Optimizer {
     globals()["d_hat"] = d_hat;
     d = std::max(d, std::min(d_hat, d * growth_rate_));
 
+    applied_dlr_ = dlr;  // what this step applies (the early returns above apply nothing)
     // Pass 2: the Adam step with the moments (which already carry dlr).
     for (size_t gi = 0; gi < num_groups(); ++gi)
       for (size_t i = 0; i < group(gi).params.size(); ++i) {
@@ -104,7 +104,7 @@ class DAdaptAdam final : public fusebox::Optimizer {
   }
 
  private:
-  double applied_dlr_ = -1;  // the last step's d * lr * bias correction (-1: no step yet)
+  double applied_dlr_ = -1;  // the last update's d * lr * bias correction (-1: none yet)
   double beta1_, beta2_, eps_, weight_decay_, growth_rate_;
   bool decouple_, bias_correction_, stochastic_;
 };

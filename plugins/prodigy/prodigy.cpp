@@ -63,7 +63,6 @@ class Prodigy final : public fusebox::Optimizer {
     const int64_t step = static_cast<int64_t>(k) + 1;
     const double bc = fusebox::adam_bias_factor(bias_correction_, beta1_, beta2_, step);
     const double dlr = d * lr * bc;
-    applied_dlr_ = dlr;
 
     // Pass 1: moments, s, and the sums for d, accumulated on the device (one host sync).
     at::Tensor num, den;
@@ -105,6 +104,7 @@ class Prodigy final : public fusebox::Optimizer {
     globals()["d_hat"] = d_hat;
     globals()["d_numerator"] = numerator;
 
+    applied_dlr_ = dlr;  // what this step applies (the early returns above apply nothing)
     // Pass 2: the Adam step with the new d in the denominator and the old dlr as step size.
     for (size_t gi = 0; gi < num_groups(); ++gi)
       for (size_t i = 0; i < group(gi).params.size(); ++i) {
@@ -129,7 +129,7 @@ class Prodigy final : public fusebox::Optimizer {
   }
 
  private:
-  double applied_dlr_ = -1;  // the last step's d * lr * bias correction (-1: no step yet)
+  double applied_dlr_ = -1;  // the last update's d * lr * bias correction (-1: none yet)
   // The gradient in p's dtype, with coupled (L2) weight decay when asked.
   at::Tensor grad_of(const at::Tensor& param, const at::Tensor& p) const {
     at::Tensor g = param.grad().to(p.scalar_type());

@@ -291,3 +291,20 @@ TEST(Checkpoint, RemovesOnlyItsOwnStaleTemporaries) {
   EXPECT_FALSE(checkpoint_step("checkpoint-1.fbx.bak").has_value());
   EXPECT_NO_THROW(prune_checkpoints(dir, 1));
 }
+
+// "latest" follows the pointer written after each save (it survives copies that reset
+// modification times), and is the highest step in a folder without one.
+TEST(Checkpoint, LatestFollowsThePointerElseTheHighestStep) {
+  fs::path dir = temp_dir("latest");
+  EXPECT_FALSE(latest_checkpoint(dir).has_value());
+  Checkpoint c;
+  c.model["w"] = at::ones({1});
+  for (int64_t s : {10, 4, 20}) save_checkpoint(c, dir / checkpoint_name(s));
+  EXPECT_EQ(latest_checkpoint(dir)->filename(), checkpoint_name(20));
+  mark_latest_checkpoint(dir / checkpoint_name(4));
+  EXPECT_EQ(latest_checkpoint(dir)->filename(), checkpoint_name(4));
+  fs::remove(dir / checkpoint_name(4));  // a pointer to a missing file is ignored
+  EXPECT_EQ(latest_checkpoint(dir)->filename(), checkpoint_name(20));
+  std::ofstream(dir / "latest-checkpoint") << "../elsewhere/checkpoint-00000010.fbx\n";
+  EXPECT_EQ(latest_checkpoint(dir)->filename(), checkpoint_name(20));
+}

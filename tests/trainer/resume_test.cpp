@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/script.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "fusebox/core/checkpoint.h"
@@ -156,6 +157,18 @@ TEST(TrainerResume, AFolderUsedByTwoRunsKeepsTheCurrentRunsCheckpoints) {
       std::string::npos)
       << latest.out;
 
+  // A copy of the folder (new modification times, in any order) resumes the same checkpoint.
+  const std::string copy = tmp.file("copy");
+  fs::create_directories(copy);
+  std::vector<fs::path> files(fs::directory_iterator(dir), fs::directory_iterator{});
+  std::sort(files.rbegin(), files.rend());
+  for (const auto& f : files)
+    if (fs::is_regular_file(f)) fs::copy_file(f, copy + "/" + f.filename().string());
+  auto copied = run_trainer(with(base_args(copy, "sgd", 8), {"--seed", "7", "--resume", "latest"}));
+  ASSERT_EQ(copied.code, 0) << copied.err;
+  EXPECT_NE(copied.out.find("/" + fusebox::checkpoint_name(6) + " (step 6)"), std::string::npos)
+      << copied.out;
+
   // A branch from step 5 with keep-last-n 1: its own newest stays, the step-10 file is left.
   auto branch = run_trainer(with(base_args(dir, "sgd", 8),
                                  {"--resume", dir + "/" + fusebox::checkpoint_name(5),
@@ -229,4 +242,13 @@ def forward(self, x):
   EXPECT_FALSE(at::equal(whole.buffers.at("running"), at::zeros({8})));  // forward updated it
   expect_same(whole.buffers, resumed.buffers, "buffers");
   expect_same(whole.model, resumed.model, "parameters");
+
+  // A checkpoint without buffers (written before they were saved) still resumes, with a warning.
+  auto old = fusebox::load_checkpoint(a + "/" + fusebox::checkpoint_name(3));
+  old.buffers.clear();
+  const std::string old_file = tmp.file("old.fbx");
+  fusebox::save_checkpoint(old, old_file);
+  r = run_trainer(with(args(tmp.file("c")), {"--resume", old_file}));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("holds no model buffers"), std::string::npos) << r.err;
 }

@@ -83,6 +83,7 @@ void check_output_dir(const std::string& dir) {
   for (fs::path p = fs::absolute(dir); !p.empty(); p = p.parent_path()) {
     std::error_code ec;
     const fs::file_status st = fs::status(p, ec);
+    if (ec && st.type() != fs::file_type::not_found) break;  // unreadable: creating will say why
     if (st.type() == fs::file_type::not_found) {
       if (p == p.parent_path()) break;
       continue;

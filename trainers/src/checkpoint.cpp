@@ -37,11 +37,14 @@ std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const Loa
   return ckpt;
 }
 
-void restore_model(const Checkpoint& ckpt, Model& model) {
+bool restore_model(const Checkpoint& ckpt, Model& model) {
   try {
     restore_parameters(ckpt.model, model.parameters());
     const auto buffers = model.buffers();
-    if (!ckpt.buffers.empty() || !buffers.empty()) restore_buffers(ckpt.buffers, buffers);
+    // Files written before checkpoints carried buffers have none: the model keeps its own.
+    if (ckpt.buffers.empty()) return buffers.empty();
+    restore_buffers(ckpt.buffers, buffers);
+    return true;
   } catch (const Error& e) {
     throw Error(std::string("--resume: ") + e.what());
   }
@@ -119,6 +122,7 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.meta["config"] = c.resolved_config;
   fs::create_directories(c.output_dir, ec);
   save_checkpoint(ckpt, path);
+  mark_latest_checkpoint(path);
   prune_checkpoints(c.output_dir, c.keep_last_n_checkpoints, step);
 }
 

@@ -30,8 +30,10 @@ std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& config,
                                                  const LoadedPlugin& plugin,
                                                  std::string* from = nullptr);
 
-/// Copies the checkpoint's parameters into `model` (names and shapes must match).
-void restore_model(const Checkpoint& ckpt, Model& model);
+/// Copies the checkpoint's parameters and buffers into `model` (names and shapes must match).
+/// Returns false when the model has buffers but the checkpoint none (written before checkpoints
+/// carried buffers): the model keeps its initial buffers.
+bool restore_model(const Checkpoint& ckpt, Model& model);
 
 /// ZeRO-1: the share of the optimizer state a rank keeps (see owned_optimizer_state()).
 struct StateShare {

@@ -177,14 +177,18 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   } catch (const std::exception& e) {
     // Sizes the machine cannot hold (out of memory, a size overflowing LibTorch's arithmetic).
     throw Error("cannot build the " + (c.model_script ? std::string("script model") : c.model) +
-                " model and its data with these sizes (--model-width, --model-depth, --seq-len, "
-                "--vocab-size, --image-size, --train-batch-size): " +
-                one_line(e.what()));
+                " model and its data: " + one_line(e.what()) +
+                " (sizes this machine cannot hold? see --model-width, --model-depth, --seq-len, "
+                "--vocab-size, --image-size, --train-batch-size)");
   }
   // Parameters are restored before the step mode exists, so its hooks see the resumed tensors.
   std::string resumed_from;
   const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin, &resumed_from);
-  if (resumed) restore_model(*resumed, *model);
+  if (resumed && !restore_model(*resumed, *model))
+    con.err << ("trainer: warning: --resume: " + resumed_from +
+                " holds no model buffers (written by an older fusebox): the model keeps its "
+                "initial buffers, so the result differs from an uninterrupted run\n")
+            << std::flush;
   std::vector<ParamGroup> groups = param_groups(*model);
   if (dist.comm) {
     // Every rank starts from rank 0's weights (whatever the model's own initialisation did).
@@ -344,7 +348,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       progress.update(m, seconds_since(start));
       const bool final = step == c.max_train_steps;
       // Metrics first: after a kill they cover at least the newest checkpoint's steps.
-      if (checkpoint_due(c, step, final) && !final && dist.leader()) files.snapshot();
+      if (checkpoint_due(c, step, final) && dist.leader()) files.snapshot();
       save_checkpoint_if_due(ckpt_ctx, step, final);
     }
   } catch (const std::exception& e) {

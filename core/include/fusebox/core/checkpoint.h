@@ -92,9 +92,12 @@ std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path&
 /// Deletes temporaries (temporary_path) of fusebox's output files (checkpoints, metrics,
 /// summary, comparison) in `dir` whose writing process no longer exists.
 void remove_stale_temporaries(const std::filesystem::path& dir);
-/// The checkpoint in `dir` written last (by modification time; equal times: the later step), or
-/// nothing. Not simply the highest step: a folder may also hold an earlier run's checkpoints of
-/// later steps than the run that was interrupted there.
+/// Records `checkpoint` as the one written last in its folder (a small "latest-checkpoint" file,
+/// written atomically after the checkpoint itself).
+void mark_latest_checkpoint(const std::filesystem::path& checkpoint);
+/// The checkpoint in `dir` written last: the one "latest-checkpoint" names when it exists,
+/// otherwise the highest step; nothing when there is none. Not simply the highest step: a folder
+/// may also hold an earlier run's checkpoints of later steps than the run interrupted there.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& dir);
 /// Deletes stale temporaries and, of the checkpoints in `dir` up to step `newest_step` (the one
 /// just written), all but the newest `keep` (keep <= 0: keep all). Checkpoints of later steps
