@@ -181,6 +181,22 @@ struct Model {
   }
 };
 
+/// One step of `opt` over `m` from seeded random gradients of `dtype` (step `s` of a fixed
+/// stream): step(), or step_param() on every parameter in backward order then finish_step().
+inline void random_step(Optimizer& opt, Model& m, int64_t s, at::ScalarType dtype, bool per_param) {
+  at::manual_seed(100 + static_cast<uint64_t>(s));
+  for (auto& param : m.params)
+    param.mutable_grad() =
+        (at::randn(param.sizes(), at::TensorOptions().dtype(at::kDouble)) * 0.5).to(dtype);
+  if (per_param) {
+    for (size_t i = m.params.size(); i-- > 0;) opt.step_param(m.params[i]);
+    at::NoGradGuard no_grad;
+    opt.finish_step();
+  } else {
+    opt.step();
+  }
+}
+
 /// Hyperparameters from the target's arguments; a failure here is reported by SchemaDefaults.
 inline HyperParams hyperparams(const LoadedPlugin& p, const Target& t) {
   return p.validate(user_args(t));
@@ -443,18 +459,7 @@ inline void check_stochastic_rounding_is_order_free(const Target& t) {
     detail::Model m(at::kBFloat16);
     std::shared_ptr<Optimizer> opt = p->create(m.groups(), hp);
     for (int64_t s = 0; s < detail::kSteps; ++s) {
-      at::manual_seed(100 + s);
-      for (auto& param : m.params)
-        param.mutable_grad() =
-            (at::randn(param.sizes(), at::TensorOptions().dtype(at::kDouble)) * 0.5)
-                .to(at::kBFloat16);
-      if (backward_order) {
-        for (size_t i = m.params.size(); i-- > 0;) opt->step_param(m.params[i]);
-        at::NoGradGuard no_grad;
-        opt->finish_step();
-      } else {
-        opt->step();
-      }
+      detail::random_step(*opt, m, s, at::kBFloat16, backward_order);
       opt->zero_grad();
     }
     return m;
@@ -582,18 +587,8 @@ inline void check_dtypes(const Target& t) {
       std::shared_ptr<Optimizer> opt;
       ASSERT_NO_THROW(opt = p->create(m.groups(), hp));
       for (int64_t s = 0; s < detail::kSteps; ++s) {
-        at::manual_seed(100 + s);
-        for (auto& param : m.params)
-          param.mutable_grad() =
-              (at::randn(param.sizes(), at::TensorOptions().dtype(at::kDouble)) * 0.5).to(dtype);
         try {
-          if (per_param) {
-            for (size_t i = m.params.size(); i-- > 0;) opt->step_param(m.params[i]);
-            at::NoGradGuard no_grad;
-            opt->finish_step();
-          } else {
-            opt->step();
-          }
+          detail::random_step(*opt, m, s, dtype, per_param);
         } catch (const std::exception& e) {
           FAIL() << "step " << s << " threw: " << e.what();
         }
