@@ -9,7 +9,9 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "describe.h"
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/core/memory_tracker.h"
+#include "fusebox/core/messages.h"
 #include "fusebox/core/suggest.h"
 #include "launch.h"
 #include "options.h"
@@ -236,7 +238,7 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     if (!top_dir.empty()) {
       std::error_code ec;
       fs::create_directories(top_dir, ec);
-      write_file_atomically((fs::path(top_dir) / "comparison.txt").string(), table);
+      fusebox::write_file_atomically(fs::path(top_dir) / "comparison.txt", table);
     }
   }
   return kExitOk;
@@ -263,9 +265,7 @@ int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::o
     return kExitUsage;
   } catch (const std::exception& e) {
     out.flush();
-    std::string msg = e.what();
-    err << ("trainer: error: " + who + "internal: " + msg.substr(0, msg.find('\n')) + "\n")
-        << std::flush;
+    err << ("trainer: error: " + who + "internal: " + first_line(e.what()) + "\n") << std::flush;
     return kExitInternal;
   }
 }

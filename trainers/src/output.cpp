@@ -1,12 +1,11 @@
 #include "output.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iomanip>
 #include <memory>
 #include <sstream>
@@ -19,42 +18,6 @@
 namespace fusebox::trainer {
 
 namespace fs = std::filesystem;
-
-AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
-  tmp_ = temporary_path(path_).string();
-  out_.open(tmp_, std::ios::binary | std::ios::trunc);
-  if (!out_) throw Error("cannot write " + path_ + " (cannot create " + tmp_ + ")");
-}
-
-AtomicFile::~AtomicFile() { discard(); }
-
-void AtomicFile::commit() {
-  if (done_) return;
-  out_.flush();
-  const bool ok = static_cast<bool>(out_);
-  out_.close();
-  std::error_code ec;
-  if (ok && !out_.fail()) fs::rename(tmp_, path_, ec);
-  if (!ok || out_.fail() || ec) {
-    discard();
-    throw Error("cannot write " + path_ + (ec ? ": " + ec.message() : ": write failed"));
-  }
-  done_ = true;
-}
-
-void AtomicFile::discard() {
-  if (done_) return;
-  done_ = true;
-  if (out_.is_open()) out_.close();
-  std::error_code ec;
-  fs::remove(tmp_, ec);
-}
-
-void write_file_atomically(const std::string& path, const std::string& text) {
-  AtomicFile f(path);
-  f.stream() << text;
-  f.commit();
-}
 
 namespace {
 
@@ -229,17 +192,20 @@ void MetricsFiles::add(const StepMetrics& m) {
   c << "," << (m.grad_norm < 0 ? "" : format_real(m.grad_norm)) << ","
     << format_real(m.step_seconds) << "," << m.peak_bytes << "," << m.peak_phase << "\n";
   csv_ += c.str();
+  unwritten_ = true;
 }
 
 void MetricsFiles::snapshot() {
-  if (folder_.empty()) return;
-  write_file_atomically((fs::path(folder_) / "metrics.jsonl").string(), jsonl_);
-  write_file_atomically((fs::path(folder_) / "metrics.csv").string(), header_ + csv_);
+  if (folder_.empty() || !unwritten_)
+    return;  // the final step's were written before its checkpoint
+  fusebox::write_file_atomically(fs::path(folder_) / "metrics.jsonl", jsonl_);
+  fusebox::write_file_atomically(fs::path(folder_) / "metrics.csv", header_ + csv_);
+  unwritten_ = false;
 }
 
 void MetricsFiles::commit(const RunSummary& s) {
   if (folder_.empty()) return;
-  write_file_atomically((fs::path(folder_) / "summary.json").string(), summary_json(s));
+  fusebox::write_file_atomically(fs::path(folder_) / "summary.json", summary_json(s));
   snapshot();
 }
 

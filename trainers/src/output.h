@@ -4,36 +4,12 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <memory>
 #include <ostream>
 #include <string>
 #include <vector>
 
 namespace fusebox::trainer {
-
-/// A file that appears under its name only when commit() is called; otherwise it is removed.
-class AtomicFile {
- public:
-  explicit AtomicFile(std::string path);
-  ~AtomicFile();
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-  std::ostream& stream() { return out_; }
-  /// Flushes, checks for write errors and renames into place; throws Error on failure.
-  void commit();
-  /// Drops the temporary file (also done by the destructor unless committed).
-  void discard();
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_, tmp_;
-  std::ofstream out_;
-  bool done_ = false;
-};
-
-/// Writes `text` to `path` atomically.
-void write_file_atomically(const std::string& path, const std::string& text);
 
 /// One optimizer step's measurements.
 struct StepMetrics {
@@ -93,6 +69,7 @@ class MetricsFiles {
  private:
   std::string folder_, header_;
   std::string jsonl_, csv_;
+  bool unwritten_ = true;  // records added since the files were last written
 };
 
 /// Progress on the console: a redrawn bar on a terminal, plain lines every `log_every` steps
