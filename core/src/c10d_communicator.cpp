@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "fusebox/core/distributed.h"
+#include "fusebox/core/messages.h"
 #include "torch_compat.h"
 
 #if defined(FUSEBOX_WITH_C10D)
@@ -23,8 +24,6 @@ namespace fusebox {
 #if defined(FUSEBOX_WITH_C10D)
 
 namespace {
-
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 std::string seconds(std::chrono::milliseconds t) { return std::to_string(t.count() / 1000) + " s"; }
 

@@ -1,4 +1,5 @@
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/messages.h"
 
 #include "fusebox/core/step_mode.h"
 
@@ -394,9 +395,8 @@ std::map<std::string, at::Tensor> load_model_weights(const fs::path& path) {
   try {
     return tensor_map(torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end())));
   } catch (const std::exception& e) {
-    std::string msg = e.what();
-    throw Error("model weights " + path.string() + " cannot be decoded (" +
-                msg.substr(0, msg.find('\n')) + ")");
+    throw Error("model weights " + path.string() + " cannot be decoded (" + first_line(e.what()) +
+                ")");
   }
 }
 
@@ -419,14 +419,23 @@ std::optional<int64_t> checkpoint_step(const fs::path& file) {
   return std::stoll(m[1]);  // at most 18 digits: always fits
 }
 
-std::vector<fs::path> list_checkpoints(const fs::path& dir) {
+namespace {
+
+// The checkpoints in `dir` with their steps, oldest first.
+std::vector<std::pair<int64_t, fs::path>> checkpoints_by_step(const fs::path& dir) {
   std::vector<std::pair<int64_t, fs::path>> found;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec))
     if (const auto step = checkpoint_step(e.path())) found.emplace_back(*step, e.path());
   std::sort(found.begin(), found.end());
+  return found;
+}
+
+}  // namespace
+
+std::vector<fs::path> list_checkpoints(const fs::path& dir) {
   std::vector<fs::path> out;
-  for (auto& f : found) out.push_back(f.second);
+  for (auto& f : checkpoints_by_step(dir)) out.push_back(f.second);
   return out;
 }
 
@@ -475,8 +484,8 @@ void prune_checkpoints(const fs::path& dir, int64_t keep, int64_t newest_step) {
   if (keep <= 0) return;
   // Checkpoints of later steps than this run's newest belong to another run: not ours to count.
   std::vector<fs::path> ours;
-  for (const fs::path& p : list_checkpoints(dir))
-    if (*checkpoint_step(p) <= newest_step) ours.push_back(p);
+  for (const auto& [step, p] : checkpoints_by_step(dir))
+    if (step <= newest_step) ours.push_back(p);
   for (size_t i = 0; i + static_cast<size_t>(keep) < ours.size(); ++i) {
     std::error_code ec;
     fs::remove(ours[i], ec);

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "fusebox/core/distributed.h"
+#include "fusebox/core/messages.h"
 #include "fusebox/error.h"
 
 namespace fusebox::trainer {
@@ -77,9 +78,8 @@ int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrSchedul
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    const std::string what = e.what();
     throw Error("--resume: the checkpoint's random generator state cannot be restored: " +
-                what.substr(0, what.find('\n')));
+                first_line(e.what()));
   }
   return step;
 }

@@ -7,6 +7,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -53,6 +54,11 @@ class Model {
   /// Writes the parameters to `path` (written to a temporary file, then renamed).
   virtual void save(const std::string& path) = 0;
 };
+
+/// Writes `path` through a temporary file beside it (`write` fills the temporary), then renames
+/// it into place; throws Error naming `path` with the cause's first line (the temporary is gone).
+void save_via_temporary(const std::string& path,
+                        const std::function<void(const std::string&)>& write);
 
 /// Builds a built-in model (initialised from the current global seed).
 std::unique_ptr<Model> make_builtin_model(const ModelOptions& options);

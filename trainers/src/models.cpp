@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/messages.h"
 #include "fusebox/error.h"
 #include "model.h"
 
@@ -248,16 +249,7 @@ class BuiltinModel : public Model {
   void save(const std::string& path) override {
     torch::serialize::OutputArchive archive;
     for (const auto& [name, t] : parameters()) archive.write(name, t.detach().cpu());
-    const std::string tmp = temporary_path(path).string();
-    try {
-      archive.save_to(tmp);
-      std::filesystem::rename(tmp, path);
-    } catch (const std::exception& e) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      const std::string what = e.what();  // LibTorch's messages carry a stack trace
-      throw Error("cannot write model to " + path + ": " + what.substr(0, what.find('\n')));
-    }
+    save_via_temporary(path, [&](const std::string& tmp) { archive.save_to(tmp); });
   }
 
  private:
@@ -283,6 +275,19 @@ at::Tensor BuiltinModel<Denoiser>::loss(const Batch& b) {
 }
 
 }  // namespace
+
+void save_via_temporary(const std::string& path,
+                        const std::function<void(const std::string&)>& write) {
+  const std::string tmp = temporary_path(path).string();
+  try {
+    write(tmp);
+    std::filesystem::rename(tmp, path);
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    throw Error("cannot write model to " + path + ": " + first_line(e.what()));
+  }
+}
 
 std::unique_ptr<Model> make_builtin_model(const ModelOptions& o) {
   if (o.kind == "mlp") return std::make_unique<BuiltinModel<Mlp>>(Mlp(o), o);

@@ -15,6 +15,7 @@
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/memory_accounting.h"
 #include "fusebox/core/memory_tracker.h"
+#include "fusebox/core/messages.h"
 #include "fusebox/core/step_mode.h"
 #include "fusebox/core/threads.h"
 #include "model.h"
@@ -78,8 +79,6 @@ double mean_over_ranks(double value, const Distributed& dist) {
 }
 
 // The first line of an exception message (LibTorch appends backtraces on later lines).
-std::string one_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
 std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
 
 }  // namespace
@@ -177,7 +176,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   } catch (const std::exception& e) {
     // Sizes the machine cannot hold (out of memory, a size overflowing LibTorch's arithmetic).
     throw Error("cannot build the " + (c.model_script ? std::string("script model") : c.model) +
-                " model and its data: " + one_line(e.what()) +
+                " model and its data: " + first_line(e.what()) +
                 " (sizes this machine cannot hold? see --model-width, --model-depth, --seq-len, "
                 "--vocab-size, --image-size, --train-batch-size)");
   }
@@ -355,7 +354,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     progress.finish();
     throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") +
                          "training failed at step " + std::to_string(step) + ": " +
-                         one_line(e.what()));
+                         first_line(e.what()));
   }
   progress.finish();
   summary.wall_seconds = seconds_since(start);
@@ -368,7 +367,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     try {
       model->save(*c.save_model);
     } catch (const std::exception& e) {
-      throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") + one_line(e.what()) +
+      throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") + first_line(e.what()) +
                            (c.output_dir.empty()
                                 ? std::string()
                                 : " (the weights are in the checkpoint in " + c.output_dir + ")"));

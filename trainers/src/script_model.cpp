@@ -1,9 +1,8 @@
 // A TorchScript module as a model: forward(batch) returns the scalar loss.
 #include <torch/script.h>
 
-#include <filesystem>
 
-#include "fusebox/core/checkpoint.h"
+#include "fusebox/core/messages.h"
 #include "fusebox/error.h"
 #include "model.h"
 
@@ -52,19 +51,10 @@ class ScriptModel : public Model {
   }
 
   void save(const std::string& path) override {
-    const std::string tmp = temporary_path(path).string();
-    try {
-      m_.save(tmp);
-      std::filesystem::rename(tmp, path);
-    } catch (const std::exception& e) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      throw Error("cannot write model to " + path + ": " + first_line(e.what()));
-    }
+    save_via_temporary(path, [&](const std::string& tmp) { m_.save(tmp); });
   }
 
  private:
-  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
   torch::jit::Module m_;
   std::string path_;
 };
@@ -77,8 +67,7 @@ std::unique_ptr<Model> load_script_model(const std::string& path, c10::Device de
   try {
     m = torch::jit::load(path, device);
   } catch (const std::exception& e) {
-    std::string msg = e.what();
-    throw Error("model script " + path + " cannot be loaded: " + msg.substr(0, msg.find('\n')));
+    throw Error("model script " + path + " cannot be loaded: " + first_line(e.what()));
   }
   if (!m.find_method("forward"))
     throw Error("model script " + path +
