@@ -145,6 +145,39 @@ std::string read_all(const fs::path& path, const std::string& what) {
 
 }  // namespace
 
+void append_to_file(const fs::path& path, const std::string& bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const std::string reason = std::strerror(errno);
+    throw Error("cannot write " + path.string() + " (" + reason +
+                "); check that the folder exists and is writable");
+  }
+  const off_t before = ::lseek(fd, 0, SEEK_END);
+  auto fail = [&](const std::string& what) {
+    const std::string reason = std::strerror(errno);
+    if (before >= 0 && ::ftruncate(fd, before) != 0) {
+      // Nothing more to do: the caller's error says the file is incomplete.
+    }
+    ::close(fd);
+    throw Error("cannot write " + path.string() + ": " + what + " failed (" + reason +
+                "); check that the folder is writable and has space");
+  };
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail("write");
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) fail("fsync");
+  if (::close(fd) != 0) {
+    const std::string reason = std::strerror(errno);
+    throw Error("cannot write " + path.string() + ": close failed (" + reason + ")");
+  }
+}
+
 void write_file_atomically(const fs::path& path, const std::string& bytes) {
   const fs::path tmp = temporary_path(path), dir = tmp.parent_path();
   auto fail = [&](const std::string& what) {

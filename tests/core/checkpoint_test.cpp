@@ -1,5 +1,7 @@
 // Checkpoints: exact round trips, resume across step modes, and loud failure on bad files.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -165,6 +167,35 @@ TEST(Checkpoint, AFailedWriteLeavesTheOldFileAndNoTemporary) {
   EXPECT_EQ(files, 1u);
   m = error_of([&] { save_checkpoint(c, dir / "no" / "such" / "dir" / "x.fbx"); });
   EXPECT_NE(m.find("cannot write"), std::string::npos) << m;
+}
+
+// A file size limit (as a full disk would) stops an append part-way: the file is cut back to
+// what it held, so it never ends in half a record.
+TEST(Checkpoint, AFailedAppendLeavesTheFileAsItWas) {
+  fs::path dir = temp_dir("failed_append");
+  const fs::path file = dir / "log.txt";
+  append_to_file(file, "first line\n");
+  append_to_file(file, "second line\n");
+  auto text = [&] {
+    std::ifstream in(file, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  ASSERT_EQ(text(), "first line\nsecond line\n");
+
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  struct rlimit small = old;
+  small.rlim_cur = 64;  // room for part of the next append
+  auto* previous = ::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const std::string m = error_of([&] { append_to_file(file, std::string(100, 'x') + "\n"); });
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, previous);
+  EXPECT_NE(m.find("cannot write " + file.string()), std::string::npos) << m;
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  EXPECT_EQ(text(), "first line\nsecond line\n");
+  append_to_file(file, "third line\n");  // and it goes on from there
+  EXPECT_EQ(text(), "first line\nsecond line\nthird line\n");
 }
 
 TEST(Checkpoint, ResumeEqualsAnUninterruptedRunAcrossModesAndGroupings) {

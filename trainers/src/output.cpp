@@ -149,6 +149,7 @@ std::string records_up_to(const fs::path& file, int64_t step, const std::string&
   std::string line, out;
   if (!in || (header && (!std::getline(in, line) || line != *header))) return out;
   while (std::getline(in, line)) {
+    if (in.eof()) break;  // no newline: the end of a write cut short
     const int64_t s = record_step(line, prefix);
     if (s >= 1 && s <= step) out += line + "\n";
   }
@@ -192,15 +193,25 @@ void MetricsFiles::add(const StepMetrics& m) {
   c << "," << (m.grad_norm < 0 ? "" : format_real(m.grad_norm)) << ","
     << format_real(m.step_seconds) << "," << m.peak_bytes << "," << m.peak_phase << "\n";
   csv_ += c.str();
-  unwritten_ = true;
 }
 
 void MetricsFiles::snapshot() {
-  if (folder_.empty() || !unwritten_)
+  if (folder_.empty() || (started_ && jsonl_.empty()))
     return;  // the final step's were written before its checkpoint
-  fusebox::write_file_atomically(fs::path(folder_) / "metrics.jsonl", jsonl_);
-  fusebox::write_file_atomically(fs::path(folder_) / "metrics.csv", header_ + csv_);
-  unwritten_ = false;
+  const fs::path jsonl = fs::path(folder_) / "metrics.jsonl",
+                 csv = fs::path(folder_) / "metrics.csv";
+  if (!started_) {
+    // Replaces an earlier run's files in this folder, and the records a killed run wrote after
+    // the checkpoint this run resumed from.
+    fusebox::write_file_atomically(jsonl, jsonl_);
+    fusebox::write_file_atomically(csv, header_ + csv_);
+    started_ = true;
+  } else {
+    fusebox::append_to_file(jsonl, jsonl_);
+    fusebox::append_to_file(csv, csv_);
+  }
+  jsonl_.clear();
+  csv_.clear();
 }
 
 void MetricsFiles::commit(const RunSummary& s) {

@@ -51,25 +51,28 @@ struct MetricsHistory {
 
 /// The records of steps 1..`step` in `folder`'s metrics files, where the run that wrote the
 /// checkpoint being resumed kept them; CSV rows only when that file has the columns of
-/// `num_groups` groups.
+/// `num_groups` groups. A last line without its newline (a write cut short) is left out.
 MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups);
 
 /// Per-step metrics files (metrics.jsonl, metrics.csv) in a folder; nothing when folder is "".
-/// Records are kept in memory and the files rewritten whole (atomically) at each snapshot and at
-/// the end, so they never hold half a line and always cover the newest checkpoint's steps.
+/// Records wait in memory until the next snapshot (before each checkpoint) or the end. The first
+/// write replaces the folder's files with the history and those records, atomically; later ones
+/// append only the new records, so each record is written once however long the run.
 class MetricsFiles {
  public:
   MetricsFiles(const std::string& folder, size_t num_groups, MetricsHistory history = {});
   void add(const StepMetrics& m);
-  /// Writes metrics.jsonl and metrics.csv as they stand (before each checkpoint).
+  /// Writes the records added since the last snapshot (before each checkpoint).
   void snapshot();
   /// Writes summary.json, then the metrics files.
   void commit(const RunSummary& s);
+  /// Bytes of records not yet written (what the run holds in memory for the files).
+  size_t pending_bytes() const { return jsonl_.size() + csv_.size(); }
 
  private:
   std::string folder_, header_;
-  std::string jsonl_, csv_;
-  bool unwritten_ = true;  // records added since the files were last written
+  std::string jsonl_, csv_;  // records not yet in the files (at first, the history too)
+  bool started_ = false;     // the files are this run's: append to them
 };
 
 /// Progress on the console: a redrawn bar on a terminal, plain lines every `log_every` steps

@@ -80,6 +80,9 @@ std::map<std::string, at::Tensor> load_model_weights(const std::filesystem::path
 
 /// Writes `bytes` to `path` atomically: temp file in the same folder, fsync, rename, fsync folder.
 void write_file_atomically(const std::filesystem::path& path, const std::string& bytes);
+/// Appends `bytes` to `path` (created if missing) and fsyncs it. If the write fails (a full disk,
+/// a size limit), the file is cut back to its earlier length, so it never ends in part of `bytes`.
+void append_to_file(const std::filesystem::path& path, const std::string& bytes);
 
 /// Where `target` is written before it is renamed into place: ".<name>.tmp.<pid>" beside it.
 std::filesystem::path temporary_path(const std::filesystem::path& target);

@@ -1,0 +1,105 @@
+// The metrics files: each record is written once (appended after the first write), a resumed
+// run's history leaves out a record cut short by a kill, and only unwritten records stay in memory.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <fstream>
+#include <string>
+
+#include "output.h"
+#include "trainer_test_util.h"
+
+using fusebox::trainer::MetricsFiles;
+using fusebox::trainer::MetricsHistory;
+using fusebox::trainer::read_metrics_history;
+using fusebox::trainer::StepMetrics;
+using namespace fusebox::trainer::testing;
+
+namespace {
+
+StepMetrics record(int64_t step) {
+  StepMetrics m;
+  m.step = step;
+  m.loss = 1.0 / static_cast<double>(step);
+  m.lrs = {0.1};
+  m.effective_lrs = {0.1};
+  m.peak_phase = "backward";
+  return m;
+}
+
+ino_t inode(const std::string& file) {
+  struct stat st {};
+  EXPECT_EQ(::stat(file.c_str(), &st), 0) << file;
+  return st.st_ino;
+}
+
+}  // namespace
+
+TEST(MetricsFiles, TheFirstWriteReplacesOldFilesAndLaterOnesAppendOnlyNewRecords) {
+  TempDir tmp;
+  const std::string jsonl = tmp.file("metrics.jsonl"), csv = tmp.file("metrics.csv");
+  tmp.write("metrics.jsonl",
+            "{\"step\":1,\"loss\":99}\n{\"step\":2,\"loss\":99}\n");  // an earlier run's
+  MetricsFiles files(tmp.str(), 1);
+  files.add(record(1));
+  files.add(record(2));
+  EXPECT_GT(files.pending_bytes(), 0u);
+  files.snapshot();
+  EXPECT_EQ(files.pending_bytes(), 0u);  // written records are not kept
+  const std::string first = read_text(jsonl), first_csv = read_text(csv);
+  EXPECT_EQ(first.find("99"), std::string::npos) << "the earlier run's records were replaced";
+  EXPECT_EQ(count_lines(first), 2);
+  EXPECT_EQ(count_lines(first_csv), 3);  // header and two rows
+  const ino_t jsonl_inode = inode(jsonl), csv_inode = inode(csv);
+
+  files.add(record(3));
+  files.snapshot();
+  files.snapshot();  // nothing new: no second copy
+  files.add(record(4));
+  files.commit(fusebox::trainer::RunSummary{});
+  const std::string last = read_text(jsonl), last_csv = read_text(csv);
+  // Appended in place: the same files, the earlier bytes untouched, one line per new step.
+  EXPECT_EQ(inode(jsonl), jsonl_inode);
+  EXPECT_EQ(inode(csv), csv_inode);
+  ASSERT_EQ(last.compare(0, first.size(), first), 0);
+  ASSERT_EQ(last_csv.compare(0, first_csv.size(), first_csv), 0);
+  EXPECT_EQ(count_lines(last), 4);
+  EXPECT_EQ(count_lines(last_csv), 5);
+  EXPECT_EQ(last.substr(first.size()).rfind("{\"step\":3,", 0), 0u) << last;
+  EXPECT_NE(last.find("{\"step\":4,"), std::string::npos) << last;
+  EXPECT_TRUE(std::filesystem::exists(tmp.file("summary.json")));
+}
+
+// A resumed run starts from the records up to its checkpoint: later ones (written by the killed
+// run after that checkpoint) and a last line without its newline (a write cut short) are left out.
+TEST(MetricsFiles, AResumedRunKeepsWholeRecordsUpToItsCheckpoint) {
+  TempDir tmp;
+  {
+    MetricsFiles files(tmp.str(), 1);
+    for (int64_t s = 1; s <= 5; ++s) files.add(record(s));
+    files.snapshot();
+  }
+  // Step 6's record cut short in both files.
+  std::ofstream(tmp.file("metrics.jsonl"), std::ios::app) << "{\"step\":6,\"lo";
+  std::ofstream(tmp.file("metrics.csv"), std::ios::app) << "6,0.1";
+
+  const MetricsHistory all = read_metrics_history(tmp.str(), 6, 1);
+  EXPECT_EQ(count_lines(all.jsonl), 5) << all.jsonl;
+  EXPECT_EQ(all.jsonl.find("\"step\":6"), std::string::npos) << all.jsonl;
+  EXPECT_EQ(count_lines(all.csv_rows), 5) << all.csv_rows;
+
+  const MetricsHistory three = read_metrics_history(tmp.str(), 3, 1);
+  EXPECT_EQ(count_lines(three.jsonl), 3);
+  EXPECT_EQ(count_lines(three.csv_rows), 3);
+  EXPECT_TRUE(read_metrics_history(tmp.str(), 3, 2).csv_rows.empty()) << "other columns";
+
+  // The resumed run's files: steps 1..3, then its own 4 and 5; nothing of the killed run's after.
+  MetricsFiles resumed(tmp.str(), 1, three);
+  resumed.add(record(4));
+  resumed.add(record(5));
+  resumed.snapshot();
+  const std::string text = read_text(tmp.file("metrics.jsonl"));
+  EXPECT_EQ(count_lines(text), 5) << text;
+  EXPECT_EQ(text.find("\"step\":6"), std::string::npos) << text;
+  EXPECT_EQ(read_metrics_history(tmp.str(), 5, 1).jsonl, text);
+}
