@@ -134,21 +134,6 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
   }
 }
 
-TEST(TrainerBadInput, NonFiniteSkipPolicyIsNormalModeOnly) {
-  TempDir tmp;
-  const std::string base =
-      "--model mlp --model-width 8 --threads 1 --optimizer sgd --learning-rate 1e6 "
-      "--max-train-steps 40 --on-non-finite skip --output-dir " +
-      tmp.file("out");
-  auto r = run_program(base, tmp.str());
-  EXPECT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.err.find("was skipped"), std::string::npos) << r.err;
-  r = run_program(base + " --fused-backward-pass", tmp.str());
-  EXPECT_EQ(r.code, 2);
-  EXPECT_NE(r.err.find("--on-non-finite: skip is possible only in normal mode"), std::string::npos)
-      << r.err;
-}
-
 namespace {
 
 // Records every piece an ostream hands to its buffer: each piece is one write(2) on an

@@ -99,6 +99,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.fused_optimizer_groups = r.maybe<int64_t>("fused-optimizer-groups").value_or(0);
   c.fused_optimizer_groups_split = r.get<std::string>("fused-optimizer-groups-split");
   c.on_non_finite = r.get<std::string>("on-non-finite");
+  c.max_consecutive_skips = r.get<int64_t>("max-consecutive-skips");
 
   const bool grouped = r.has("fused-optimizer-groups");
   if (c.on_non_finite == "skip" && (c.fused_backward_pass || grouped))

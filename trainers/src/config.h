@@ -32,6 +32,8 @@ struct TrainConfig {
   int64_t fused_optimizer_groups = 0;  ///< 0: not grouped
   std::string fused_optimizer_groups_split;
   std::string on_non_finite;  ///< "stop" or "skip"
+  int64_t max_consecutive_skips =
+      10;  ///< skip: fail after this many skipped steps in a row; 0 never
 
   // Precision and device.
   std::string mixed_precision, dtype, device;

@@ -108,6 +108,11 @@ std::vector<OptionSpec> build_specs() {
                   "NaN/Inf loss or gradient: stop the run, or skip that step (normal mode only)",
                   "stop|skip")),
           {"stop", "skip"});
+  at_least(add(opt("max-consecutive-skips", Kind::Int, int64_t{10},
+                   "with --on-non-finite skip: stop the run after N skipped steps in a row "
+                   "(0: never)",
+                   "N")),
+           0);
 
   section = "Precision and device";
   choices(add(opt("mixed-precision", Kind::Choice, std::string("no"),

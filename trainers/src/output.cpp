@@ -74,6 +74,7 @@ std::string summary_json(const RunSummary& s) {
   std::ostringstream o;
   o << "{\"name\":" << json_string(s.name) << ",\"mode\":" << json_string(s.mode)
     << ",\"optimizer\":" << json_string(s.optimizer) << ",\"steps\":" << s.steps
+    << ",\"skipped_steps\":" << s.skipped_steps
     << ",\"wall_seconds\":" << json_number(s.wall_seconds)
     << ",\"first_loss\":" << json_number(s.first_loss)
     << ",\"last_loss\":" << json_number(s.last_loss) << ",\"peak_bytes\":" << s.peak_bytes
@@ -90,6 +91,9 @@ std::string summary_text(const RunSummary& s) {
     << s.wall_seconds << " s; loss " << short_number(s.first_loss) << " -> "
     << short_number(s.last_loss) << "; peak tensor memory " << memory::format_bytes(s.peak_bytes);
   if (!s.peak_phase.empty()) o << " (during " << s.peak_phase << ")";
+  if (s.skipped_steps > 0)
+    o << "; " << s.skipped_steps << " step" << (s.skipped_steps == 1 ? "" : "s")
+      << " skipped (non-finite)";
   o << "\n";
   if (!s.memory_breakdown.empty()) o << "  memory: " << s.memory_breakdown << "\n";
   return o.str();

@@ -27,6 +27,7 @@ struct StepMetrics {
 struct RunSummary {
   std::string name, mode, optimizer;
   int64_t steps = 0;
+  int64_t skipped_steps = 0;  ///< --on-non-finite skip: steps whose update was dropped
   double wall_seconds = 0;
   double first_loss = 0, last_loss = 0;
   int64_t peak_bytes = 0;

@@ -277,6 +277,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   const Clock::time_point start = Clock::now();
   bool first = true;
   int64_t step = first_step;
+  int64_t skipped_in_a_row = 0;
   try {
     for (step = first_step + 1; step <= c.max_train_steps; ++step) {
       const Clock::time_point t0 = Clock::now();
@@ -321,6 +322,15 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       } else {
         stats = mode->step();
       }
+      skipped_in_a_row = stats.skipped ? skipped_in_a_row + 1 : 0;
+      summary.skipped_steps += stats.skipped;
+      // A run that only skips is not training: say so rather than spend the remaining steps.
+      if (c.max_consecutive_skips > 0 && skipped_in_a_row >= c.max_consecutive_skips)
+        throw NonFiniteError(
+            "the last " + std::to_string(skipped_in_a_row) +
+            " steps were all skipped (non-finite loss or gradients), so the model is no longer "
+            "learning; lower the learning rate or check the data, then resume from an earlier "
+            "checkpoint (--max-consecutive-skips sets this limit, 0 never stops)");
       StepMetrics m;
       m.step = step;
       m.loss = loss_sum;

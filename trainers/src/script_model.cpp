@@ -1,7 +1,6 @@
 // A TorchScript module as a model: forward(batch) returns the scalar loss.
 #include <torch/script.h>
 
-
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
 #include "model.h"

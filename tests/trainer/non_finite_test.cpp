@@ -1,0 +1,88 @@
+// --on-non-finite skip: skipped steps are counted, a run that only skips is stopped after
+// --max-consecutive-skips steps in a row, and skip is refused outside normal mode.
+#include <gtest/gtest.h>
+#include <torch/script.h>
+
+#include <string>
+
+#include "fusebox/core/checkpoint.h"
+#include "trainer_test_util.h"
+
+using namespace fusebox::trainer::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A TorchScript model whose loss is NaN on every third call, so exactly those steps are skipped.
+std::string nan_every_third_step_model(const TempDir& tmp) {
+  torch::jit::Module m("Net");
+  torch::manual_seed(0);
+  m.register_parameter("w", torch::randn({8, 1}), false);
+  m.register_buffer("calls", torch::zeros({1}));
+  m.define(R"(
+def forward(self, x):
+    self.calls.add_(1.0)
+    loss = ((x.matmul(self.w) - x.sum(1, keepdim=True)) ** 2).mean()
+    if int(self.calls.item()) % 3 == 0:
+        loss = loss * float("nan")
+    return loss
+)");
+  const std::string path = tmp.file("nan_every_third.pt");
+  m.save(path);
+  return path;
+}
+
+}  // namespace
+
+TEST(TrainerNonFinite, SkippedStepsAreCountedAndTheRunGoesOn) {
+  TempDir tmp;
+  const std::string args = "--model-script " + nan_every_third_step_model(tmp) +
+                           " --model-width 8 --threads 1 --optimizer sgd --learning-rate 0.01 "
+                           "--max-train-steps 12 --on-non-finite skip --log-every 100";
+  auto r = run_program(args + " --output-dir " + tmp.file("a"), tmp.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(count_lines(r.err), 4) << r.err;  // steps 3, 6, 9, 12
+  EXPECT_NE(r.err.find("non-finite loss at step 12: this step's update was skipped"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.out.find("4 steps skipped (non-finite)"), std::string::npos) << r.out;
+  EXPECT_NE(read_text(tmp.file("a/summary.json")).find("\"skipped_steps\":4"), std::string::npos);
+
+  // A limit of one skip in a row ends the run at the first one, before its checkpoint.
+  r = run_program(
+      args + " --max-consecutive-skips 1 --save-every-n-steps 1 --output-dir " + tmp.file("b"),
+      tmp.str());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("trainer: error: training failed at step 3: the last 1 steps were all "
+                       "skipped"),
+            std::string::npos)
+      << r.err;
+  EXPECT_TRUE(fs::exists(tmp.file("b/" + fusebox::checkpoint_name(2))));
+  EXPECT_FALSE(fs::exists(tmp.file("b/" + fusebox::checkpoint_name(3))));
+}
+
+// A learning rate that blows the weights up makes every later loss non-finite: skipping cannot
+// recover, so the run stops after --max-consecutive-skips steps instead of "succeeding".
+TEST(TrainerNonFinite, ARunThatOnlySkipsIsStopped) {
+  TempDir tmp;
+  const std::string base =
+      "--model mlp --model-width 8 --threads 1 --optimizer sgd --learning-rate 1e6 "
+      "--max-train-steps 40 --on-non-finite skip --output-dir " +
+      tmp.file("out");
+  auto r = run_program(base, tmp.str());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("the last 10 steps were all skipped"), std::string::npos) << r.err;
+  EXPECT_EQ(count_lines(r.err), 11) << r.err;  // ten warnings, one error
+  EXPECT_FALSE(fs::exists(tmp.file("out/summary.json")));
+
+  r = run_program(base + " --max-consecutive-skips 0", tmp.str());  // no limit
+  EXPECT_EQ(r.code, 0) << r.err;
+  const std::string summary = read_text(tmp.file("out/summary.json"));
+  EXPECT_NE(summary.find("\"steps\":40"), std::string::npos) << summary;
+  EXPECT_EQ(summary.find("\"skipped_steps\":0"), std::string::npos) << summary;
+
+  r = run_program(base + " --fused-backward-pass", tmp.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--on-non-finite: skip is possible only in normal mode"), std::string::npos)
+      << r.err;
+}
