@@ -1,6 +1,7 @@
 // The trainer as a data-parallel job (--nproc-per-node): the real program, 2 ranks on 127.0.0.1,
 // each run bounded by `timeout`.
 #include <gtest/gtest.h>
+#include <torch/script.h>
 
 #include <cmath>
 
@@ -107,6 +108,38 @@ TEST(TrainerDistributed, ShardedCheckpointResumesWithAnotherWorldSize) {
                          ckpt);
   ASSERT_EQ(two.code, 0) << two.err;
   EXPECT_TRUE(identical(weights(d, "two"), weights(d, "full")));
+}
+
+// A script model whose forward updates a buffer from its rank's shard of the batch: the ranks
+// use rank 0's buffer (broadcast before each forward), so a job resumed from a checkpoint (which
+// holds rank 0's buffer) continues bit for bit like the uninterrupted one.
+TEST(TrainerDistributed, ScriptModelBuffersFollowRankZeroSoAResumeIsExact) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  torch::jit::Module m("Net");
+  torch::manual_seed(0);
+  m.register_parameter("w", torch::randn({8, 1}, torch::kFloat64), false);
+  m.register_buffer("running", torch::zeros({8}, torch::kFloat64));
+  m.define(R"(
+def forward(self, x):
+    self.running.copy_(0.5 * self.running + 0.5 * x.mean(0).detach())
+    return (((x - self.running).matmul(self.w) - x.sum(1, keepdim=True)) ** 2).mean()
+)");
+  const std::string script = d.file("net.pt");
+  m.save(script);
+  const std::string base = "--model-script " + script +
+                           " --model-width 8 --dtype float64 --threads 1 --optimizer sgd "
+                           "--learning-rate 0.01 --train-batch-size 4 --max-train-steps 6 "
+                           "--nproc-per-node 2";
+  Result whole = train(d, "whole", base + " --save-every-n-steps 3");
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  Result resumed =
+      train(d, "resumed", base + " --resume " + d.file("whole") + "/checkpoint-00000003.fbx");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  const auto a = fusebox::load_checkpoint(d.file("whole") + "/checkpoint-00000006.fbx");
+  const auto b = fusebox::load_checkpoint(d.file("resumed") + "/checkpoint-00000006.fbx");
+  EXPECT_TRUE(identical(a.model, b.model));
+  EXPECT_TRUE(identical(a.buffers, b.buffers));
 }
 
 // Settings the launcher can judge are refused once, before any rank starts.

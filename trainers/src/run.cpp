@@ -195,6 +195,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     for (const auto& g : groups) params.insert(params.end(), g.params.begin(), g.params.end());
     broadcast_parameters(*dist.comm, params, 0);
   }
+  // A model's buffers (running statistics that forward updates) follow rank 0's, broadcast before
+  // every forward as PyTorch's DistributedDataParallel does: the ranks stay alike, and a resumed
+  // run (whose checkpoint holds rank 0's buffers) continues exactly.
+  std::vector<at::Tensor> shared_buffers;
+  if (dist.comm)
+    for (const auto& [name, t] : model->buffers()) shared_buffers.push_back(t);
 
   StepOptions so;
   so.max_grad_norm = c.max_grad_norm;
@@ -287,6 +293,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
         Batch batch =
             to_device(shard(data->next(), dist.config.rank, world), device, dtype, loss_dtype);
+        if (!shared_buffers.empty()) broadcast_parameters(*dist.comm, shared_buffers, 0);
         memory::mark_phase("forward");
         at::Tensor loss;
         {

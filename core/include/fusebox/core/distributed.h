@@ -73,7 +73,7 @@ class FUSEBOX_VISIBLE Communicator {
   virtual void barrier() = 0;
 };
 
-/// Copies `params` (e.g. a model's parameters) from rank `root` to every rank; blocks.
+/// Copies `params` (a model's parameters or buffers) from rank `root` to every rank; blocks.
 void broadcast_parameters(Communicator& comm, const std::vector<at::Tensor>& params, int root);
 
 /// Every rank's `mine`, indexed by rank, on every rank (sizes may differ); blocks.
