@@ -104,6 +104,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
        "'lr': inf is outside (0, inf)", 2},
       {"nan option", "--optimizer sgd --learning-rate nan", "is not a number (nan)", 2},
       {"too many threads", "--optimizer sgd --threads 5000000000", "must be at most 1024", 2},
+      {"a seed past 32 bits", "--optimizer sgd --seed 4294967296",
+       "--seed: must be at most 4294967295", 2},
       {"infinite timeout", "--optimizer sgd --dist-timeout inf", "must be finite", 2},
       {"model too large", "--optimizer sgd --model-width 10000000", "cannot build the mlp model",
        2},

@@ -126,8 +126,12 @@ std::vector<OptionSpec> build_specs() {
           {"float32", "float64"});
   choices(add(opt("device", Kind::Choice, std::string("cpu"), "where to train", "cpu|cuda")),
           {"cpu", "cuda"});
-  at_least(add(opt("seed", Kind::Int, int64_t{42}, "seed of model initialisation and data", "N")),
-           0);
+  // LibTorch's CPU generator (mt19937) keeps the low 32 bits of a seed: larger seeds would repeat
+  // smaller ones' runs.
+  OptionSpec& seed = add(opt("seed", Kind::Int, int64_t{42},
+                             "seed of model initialisation and data (0 to 4294967295)", "N"));
+  at_least(seed, 0);
+  at_most(seed, 4294967295.0);
   OptionSpec& threads =
       add(opt("threads", Kind::Int, cores, "intra-op CPU threads (default: the core count)", "N"));
   at_least(threads, 1), at_most(threads, kMaxThreads), threads.derived_default = true;
