@@ -144,6 +144,7 @@ TEST(TrainerResume, AFolderUsedByTwoRunsKeepsTheCurrentRunsCheckpoints) {
   EXPECT_NE(fresh.err.find("already holds 2 checkpoint(s) of an earlier run"), std::string::npos)
       << fresh.err;
   ASSERT_TRUE(fs::exists(dir + "/" + fusebox::checkpoint_name(4)));
+  EXPECT_EQ(count_lines(read_text(dir + "/metrics.jsonl")), 4);  // its own, not the first run's
   EXPECT_NE(fusebox::load_checkpoint(dir + "/" + fusebox::checkpoint_name(4))
                 .meta.at("config")
                 .find("seed = 7"),

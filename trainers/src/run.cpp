@@ -264,8 +264,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     if (!resumed && earlier > 0)
       con.err << ("trainer: warning: --output-dir " + c.output_dir + " already holds " +
                   std::to_string(earlier) +
-                  " checkpoint(s) of an earlier run: this run replaces those of the steps it "
-                  "saves and leaves the others (use another --output-dir to keep runs apart)\n")
+                  " checkpoint(s) of an earlier run: this run replaces its metrics files and the "
+                  "checkpoints of the steps it saves, and leaves the others (use another "
+                  "--output-dir to keep runs apart)\n")
               << std::flush;
   }
   // A resumed run's files continue the history of the run its checkpoint came from.
