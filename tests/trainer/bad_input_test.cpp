@@ -51,7 +51,7 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
   tmp.write("corrupt.fbx", "FUSEBOX-CKPT but then garbage");
   tmp.write("a_file", "x");
   ASSERT_EQ(::mkfifo(tmp.file("fifo").c_str(), 0600), 0);
-  // Weights written by --save-model: a torch archive without a forward method.
+  // Weights written by --save-model: a dict of tensors, not a module.
   ASSERT_EQ(
       run_program("--model mlp --model-width 8 --threads 1 --optimizer sgd --max-train-steps 1 "
                   "--output-dir '' --save-model " +
@@ -114,8 +114,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"not UTF-8", "--optimizer sgd --output-dir {dir}/\xff", "not valid UTF-8", 2},
       {"dataset is a pipe", "--optimizer sgd --model transformer --dataset text:{dir}/fifo",
        "is not a regular file", 2},
-      {"script without forward", "--optimizer sgd --model-script {dir}/weights.pt",
-       "has no forward method", 2},
+      {"weights file as model script", "--optimizer sgd --model-script {dir}/weights.pt",
+       "cannot be loaded: it holds model weights (a --save-model or torch.save file)", 2},
   };
   int i = 0;
   for (const BadCase& c : cases) {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "fusebox/core/checkpoint.h"
 #include "trainer_test_util.h"
 
 namespace fusebox::trainer {
@@ -196,6 +197,44 @@ def forward(self, x):
   EXPECT_EQ(r.err.rfind("trainer: error: model script " + junk + " cannot be loaded", 0), 0u)
       << r.err;
   EXPECT_EQ(testing::count_lines(r.err), 1);
+
+  // A TorchScript module without forward: one line saying what forward must do.
+  torch::jit::Module no_forward("NoForward");
+  no_forward.register_parameter("w", torch::zeros({2}), false);
+  no_forward.save(dir.file("no_forward.pt"));
+  r = run_trainer(join(plugin_args("sgd.so"),
+                       {"--model-script", dir.file("no_forward.pt"), "--output-dir", ""}));
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_NE(r.err.find("has no forward method: it must be a TorchScript module whose "
+                       "forward(batch) returns the loss"),
+            std::string::npos)
+      << r.err;
+}
+
+// --save-model of a built-in model: a {name: tensor} dict in torch's pickle format (what Python's
+// torch.load returns), holding the trained weights, which equal the final checkpoint's.
+TEST(TrainerTraining, SaveModelWritesTheWeightsAsATorchPickleDict) {
+  TempDir dir;
+  const std::string weights = dir.file("trained.pt");
+  auto r = run_trainer(
+      join(plugin_args("adamw.so"),
+           {"--model", "transformer", "--model-width", "16", "--model-depth", "1", "--seq-len", "8",
+            "--max-train-steps", "3", "--output-dir", dir.file("out"), "--save-model", weights}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto saved = fusebox::load_model_weights(weights);
+  const auto final_ckpt = fusebox::load_checkpoint(dir.file("out/checkpoint-00000003.fbx")).model;
+  ASSERT_EQ(saved.size(), final_ckpt.size());
+  for (const auto& [name, t] : final_ckpt) {
+    ASSERT_TRUE(saved.count(name)) << name;
+    EXPECT_TRUE(at::equal(saved.at(name), t)) << name;
+  }
+  // The container Python's torch.load opens: a zip whose pickle is data.pkl, with no TorchScript
+  // code in it (torch.load(weights_only=True) refuses TorchScript archives).
+  const std::string bytes = testing::read_text(weights);
+  EXPECT_EQ(bytes.rfind("PK", 0), 0u);
+  EXPECT_NE(bytes.find("/data.pkl"), std::string::npos);
+  EXPECT_EQ(bytes.find("constants.pkl"), std::string::npos);
+  EXPECT_EQ(bytes.find("/code/"), std::string::npos);
 }
 
 TEST(TrainerTraining, ExampleConfigRunsThreeWays) {

@@ -247,9 +247,8 @@ class BuiltinModel : public Model {
     return buf;
   }
   void save(const std::string& path) override {
-    torch::serialize::OutputArchive archive;
-    for (const auto& [name, t] : parameters()) archive.write(name, t.detach().cpu());
-    save_via_temporary(path, [&](const std::string& tmp) { archive.save_to(tmp); });
+    // A {name: tensor} dict in torch's pickle format, which Python's torch.load reads.
+    fusebox::save_model_weights(parameters(), path);
   }
 
  private:

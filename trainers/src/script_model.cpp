@@ -1,6 +1,7 @@
 // A TorchScript module as a model: forward(batch) returns the scalar loss.
 #include <torch/script.h>
 
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
 #include "model.h"
@@ -66,12 +67,21 @@ std::unique_ptr<Model> load_script_model(const std::string& path, c10::Device de
   try {
     m = torch::jit::load(path, device);
   } catch (const std::exception& e) {
-    throw Error("model script " + path + " cannot be loaded: " + first_line(e.what()));
+    bool weights = false;  // a --save-model (or torch.save) dict of tensors
+    try {
+      weights = !load_model_weights(path).empty();
+    } catch (const std::exception&) {
+    }
+    throw Error("model script " + path + " cannot be loaded: " +
+                (weights ? std::string("it holds model weights (a --save-model or torch.save "
+                                       "file), not a TorchScript module whose forward(batch) "
+                                       "returns the loss")
+                         : first_line(e.what())));
   }
   if (!m.find_method("forward"))
     throw Error("model script " + path +
                 " has no forward method: it must be a TorchScript module whose forward(batch) "
-                "returns the loss (a --save-model file holds weights only)");
+                "returns the loss");
   m.to(dtype);
   m.train();
   for (const auto& p : m.parameters(/*recurse=*/true)) p.set_requires_grad(true);
