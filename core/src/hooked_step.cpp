@@ -38,9 +38,9 @@ void HookedStep::ready(size_t i) {
     if (options_.track_grad_bytes) peak_bytes_ = std::max(peak_bytes_, live_grad_bytes(params_));
     arrived(i);
   } catch (...) {
-    error_ = std::current_exception();
+    error_ = as_std_exception(std::current_exception());
     param.mutable_grad().reset();
-    throw;
+    std::rethrow_exception(error_);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "fusebox/core/messages.h"
 #include "fusebox/core/suggest.h"
 
 namespace fusebox {
@@ -199,8 +200,12 @@ HyperParams validate_hyperparams(const Schema& schema, const std::string& plugin
         throw Error(prefix + e.what() + " (expected " + type_name(spec->type) + ")");
       }
     } else if (!coerce(*spec, arg.value, v)) {
+      std::string got = format_value(arg.value);
+      if (const double* d = std::get_if<double>(&arg.value))
+        if (spec->type == ParamType::Int && std::isfinite(*d) && *d == std::floor(*d))
+          got += ".0, a float (write it without the decimal point)";  // TOML's 2.0
       throw Error(prefix + "expected " + type_name(spec->type) +
-                  (spec->nullable ? " or none" : "") + ", got " + format_value(arg.value));
+                  (spec->nullable ? " or none" : "") + ", got " + got);
     }
     if (auto* d = std::get_if<double>(&v)) {
       if (!in_range(*spec, *d))
@@ -224,7 +229,15 @@ HyperParams validate_hyperparams(const Schema& schema, const std::string& plugin
     out.set(key, v);
   }
   for (const auto& rule : schema.rules()) {
-    std::string problem = rule.check(out);
+    std::string problem;
+    try {
+      problem = rule.check(out);
+    } catch (const std::exception& e) {
+      // A rule reports a problem by returning it; one that throws is a bug in the plugin.
+      throw Error(plugin + ": the plugin's rule over (" + rule.keys +
+                  ") threw instead of returning a message: " + first_line(e.what()) +
+                  " (a bug in the plugin; report it to its author)");
+    }
     if (!problem.empty())
       throw Error(plugin + ": invalid hyperparameters (" + rule.keys + "): " + problem);
   }

@@ -9,9 +9,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <sstream>
 
+#include "fusebox/core/messages.h"
 #include "fusebox/core/suggest.h"
 
 namespace fusebox {
@@ -31,6 +33,17 @@ constexpr uint16_t kHostMachine = EM_PPC64;
 #else
 constexpr uint16_t kHostMachine = 0;  // unknown host: let the dynamic loader decide
 #endif
+
+// The descriptor's size in each minor version of API 1 (fields are only ever appended). A field
+// appended in minor N adds an entry here, and is read only from plugins of minor >= N.
+constexpr uint32_t kDescriptorSizes[] = {
+    sizeof(PluginDescriptor),  // 1.0
+};
+static_assert(std::size(kDescriptorSizes) == FUSEBOX_API_MINOR + 1,
+              "add the new minor version's descriptor size");
+uint32_t descriptor_size(uint16_t api_minor) {
+  return kDescriptorSizes[std::min<size_t>(api_minor, std::size(kDescriptorSizes) - 1)];
+}
 
 // "1.13.1" -> "1.13": plugins must match the host's LibTorch major.minor (its C++ ABI).
 std::string major_minor(const std::string& v) {
@@ -76,6 +89,52 @@ void check_elf(const fs::path& path) {
                 "); rebuild it on this machine");
 }
 
+// The libstdc++ string ABI of a plugin's dynamic symbols: 1 (C++11, std::__cxx11), 0 (the old
+// one, -D_GLIBCXX_USE_CXX11_ABI=0), or -1 when they show neither. Read from the ELF file before
+// it is loaded: a plugin of the other ABI passes std::string across the boundary with another
+// layout and crashes in its first call, whatever its descriptor says.
+int plugin_string_abi(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  Elf64_Ehdr eh{};
+  if (!in.read(reinterpret_cast<char*>(&eh), sizeof eh) || eh.e_ident[EI_DATA] != ELFDATA2LSB ||
+      eh.e_shentsize != sizeof(Elf64_Shdr) || eh.e_shnum == 0 || eh.e_shnum > 65000)
+    return -1;
+  std::vector<Elf64_Shdr> sections(eh.e_shnum);
+  in.seekg(static_cast<std::streamoff>(eh.e_shoff));
+  if (!in.read(reinterpret_cast<char*>(sections.data()),
+               static_cast<std::streamsize>(sections.size() * sizeof(Elf64_Shdr))))
+    return -1;
+  for (const Elf64_Shdr& s : sections) {
+    if (s.sh_type != SHT_DYNSYM || s.sh_link >= sections.size()) continue;
+    const Elf64_Shdr& strings = sections[s.sh_link];
+    if (strings.sh_size > (uint64_t{64} << 20)) return -1;
+    std::string names(strings.sh_size, '\0');
+    in.seekg(static_cast<std::streamoff>(strings.sh_offset));
+    if (!in.read(names.data(), static_cast<std::streamsize>(names.size()))) return -1;
+    if (names.find("St7__cxx11") != std::string::npos) return 1;
+    // The old ABI's std::string is "Ss" in mangled names: its members are _ZNSs..., _ZNKSs...
+    if (names.find("_ZNSs") != std::string::npos || names.find("_ZNKSs") != std::string::npos)
+      return 0;
+    return -1;
+  }
+  return -1;
+}
+
+void check_string_abi(const fs::path& path) {
+#if defined(_GLIBCXX_USE_CXX11_ABI)
+  const int host = _GLIBCXX_USE_CXX11_ABI ? 1 : 0;
+  const int plugin = plugin_string_abi(path);
+  if (plugin >= 0 && plugin != host)
+    throw Error("plugin " + path.string() +
+                " is built with -D_GLIBCXX_USE_CXX11_ABI=" + std::to_string(plugin) +
+                " but fusebox and its LibTorch use " + std::to_string(host) +
+                " (std::string differs between the two): rebuild the plugin with LibTorch's "
+                "flags (find_package(Fusebox) and fusebox_add_plugin set them)");
+#else
+  (void)path;
+#endif
+}
+
 }  // namespace
 
 std::string PluginInfo::capability_names() const {
@@ -98,7 +157,11 @@ LoadedPlugin::LoadedPlugin(std::shared_ptr<void> library, const PluginDescriptor
   try {
     descriptor_->declare_schema(schema_);
   } catch (const std::exception& e) {
-    throw Error("plugin " + info_.path.string() + " failed to declare its schema: " + e.what());
+    throw Error("plugin " + info_.path.string() +
+                " failed to declare its schema: " + first_line(e.what()));
+  } catch (...) {
+    throw Error("plugin " + info_.path.string() +
+                " failed to declare its schema: it threw something that is not a std::exception");
   }
 }
 
@@ -113,7 +176,11 @@ std::shared_ptr<Optimizer> LoadedPlugin::create(std::vector<ParamGroup> groups,
     made = descriptor_->create(std::move(groups), hp);
   } catch (const std::exception& e) {
     throw Error("plugin '" + info_.name + "' (" + info_.path.string() +
-                ") failed to create its optimizer: " + e.what());
+                ") failed to create its optimizer: " + first_line(e.what()));
+  } catch (...) {
+    throw Error("plugin '" + info_.name + "' (" + info_.path.string() +
+                ") failed to create its optimizer: it threw something that is not a "
+                "std::exception");
   }
   if (!made)
     throw Error("plugin '" + info_.name + "' (" + info_.path.string() +
@@ -154,6 +221,7 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
 
   check_permissions(canonical, options_.allow_insecure);
   check_elf(canonical);
+  check_string_abi(canonical);
 
   auto library = std::make_shared<boost::dll::shared_library>();
   try {
@@ -161,7 +229,16 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
     library->load(canonical.string(),
                   boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
   } catch (const std::exception& e) {
-    throw Error("cannot load plugin " + path.string() + ": " + e.what());
+    // Boost appends the errno left behind by dlopen ("...: Bad file descriptor"), which means
+    // nothing here: the loader's own text is what says why.
+    std::string why = first_line(e.what());
+    for (const char* noise : {": Bad file descriptor", ": Success"})
+      if (why.size() > std::strlen(noise) &&
+          why.compare(why.size() - std::strlen(noise), std::string::npos, noise) == 0)
+        why.resize(why.size() - std::strlen(noise));
+    throw Error("cannot load plugin " + path.string() + ": " + why +
+                " (an undefined symbol means it was built against another fusebox or LibTorch: "
+                "rebuild it against this one)");
   }
   if (!library->has(FUSEBOX_PLUGIN_ENTRY_NAME))
     throw Error("plugin " + path.string() +
@@ -172,7 +249,9 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
   try {
     d = library->get<Entry>(FUSEBOX_PLUGIN_ENTRY_NAME)();
   } catch (const std::exception& e) {
-    throw Error("plugin " + path.string() + ": its entry point threw: " + e.what());
+    throw Error("plugin " + path.string() + ": its entry point threw: " + first_line(e.what()));
+  } catch (...) {
+    throw Error("plugin " + path.string() + ": its entry point threw");
   }
   if (!d) throw Error("plugin " + path.string() + ": its entry point returned no descriptor");
 
@@ -187,10 +266,12 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
   if (d->api_minor > FUSEBOX_API_MINOR)
     throw Error("plugin " + path.string() + " needs plugin API " + plugin_api +
                 ", newer than this fusebox's " + host_api + ": upgrade fusebox");
-  if (d->struct_size < sizeof(PluginDescriptor))
+  // A plugin of an older minor version has a shorter descriptor: require the size of its own
+  // version's layout, and read no field appended after it.
+  if (d->struct_size < descriptor_size(d->api_minor))
     throw Error("plugin " + path.string() + " has a truncated descriptor (" +
-                std::to_string(d->struct_size) + " bytes, expected " +
-                std::to_string(sizeof(PluginDescriptor)) + "): rebuild it against this SDK");
+                std::to_string(d->struct_size) + " bytes, API " + plugin_api + " has " +
+                std::to_string(descriptor_size(d->api_minor)) + "): rebuild it against this SDK");
   const std::string torch_version = d->torch_version ? d->torch_version : "";
   if (major_minor(torch_version) != major_minor(TORCH_VERSION))
     throw Error("plugin " + path.string() + " was built against LibTorch " +
@@ -233,7 +314,13 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_file(const std::string& spec)
 }
 
 std::vector<std::shared_ptr<LoadedPlugin>> PluginRegistry::list(std::vector<BrokenPlugin>* broken) {
+  return scan(broken, nullptr);
+}
+
+std::vector<std::shared_ptr<LoadedPlugin>> PluginRegistry::scan(
+    std::vector<BrokenPlugin>* broken, std::map<std::string, std::string>* clashes) {
   std::map<std::string, std::shared_ptr<LoadedPlugin>> by_name;
+  std::map<std::string, std::string> clash;  // name -> the error naming both files
   std::set<fs::path> visited_dirs;
   for (const fs::path& dir : search_path()) {
     std::error_code ec;
@@ -252,21 +339,31 @@ std::vector<std::shared_ptr<LoadedPlugin>> PluginRegistry::list(std::vector<Brok
         continue;
       }
       auto [it, inserted] = by_name.emplace(p->info().name, p);
-      if (!inserted && it->second->info().path != p->info().path)
-        throw Error("two plugins are named '" + p->info().name +
-                    "': " + it->second->info().path.string() + " and " + p->info().path.string() +
-                    "; remove one or load it by path with --optimizer-plugin");
+      if (!inserted && it->second->info().path != p->info().path) {
+        const std::string error = "two plugins are named '" + p->info().name +
+                                  "': " + it->second->info().path.string() + " and " +
+                                  p->info().path.string() +
+                                  "; remove one or load it by path with --optimizer-plugin";
+        clash.emplace(p->info().name, error);
+        if (broken) broken->push_back({file, error});
+      }
     }
   }
+  // A name two files share selects neither; other plugins stay usable by name.
   std::vector<std::shared_ptr<LoadedPlugin>> out;
-  for (auto& kv : by_name) out.push_back(kv.second);
+  for (auto& kv : by_name)
+    if (!clash.count(kv.first)) out.push_back(kv.second);
+  if (clashes) *clashes = std::move(clash);
   return out;
 }
 
 std::shared_ptr<LoadedPlugin> PluginRegistry::load_by_name(const std::string& name) {
   std::vector<BrokenPlugin> broken;
+  std::map<std::string, std::string> clashes;
   std::vector<std::string> names;
-  for (const auto& p : list(&broken)) {
+  const auto plugins = scan(&broken, &clashes);
+  if (auto it = clashes.find(name); it != clashes.end()) throw Error(it->second);
+  for (const auto& p : plugins) {
     if (p->info().name == name) return p;
     names.push_back(p->info().name);
   }

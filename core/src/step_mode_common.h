@@ -15,6 +15,20 @@
 
 namespace fusebox::detail {
 
+/// `e` itself when it holds a std::exception, else an Error saying that a plugin threw something
+/// else: autograd's engine passes only std::exceptions on (anything else ends the process).
+inline std::exception_ptr as_std_exception(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception&) {
+    return e;
+  } catch (...) {
+    return std::make_exception_ptr(
+        Error("the optimizer plugin threw a value that is not a std::exception (a bug in the "
+              "plugin: throw fusebox::Error)"));
+  }
+}
+
 /// The warning sink of `o` (stderr when unset).
 std::function<void(const std::string&)> warner(const StepOptions& o);
 /// The L2 norm of `grad` as a 0-d tensor on its device. Every mode takes its norms from here, so

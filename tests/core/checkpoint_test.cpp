@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/hyperparam_validation.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
@@ -338,4 +339,37 @@ TEST(Checkpoint, LatestFollowsThePointerElseTheHighestStep) {
   EXPECT_EQ(latest_checkpoint(dir)->filename(), checkpoint_name(20));
   std::ofstream(dir / "latest-checkpoint") << "../elsewhere/checkpoint-00000010.fbx\n";
   EXPECT_EQ(latest_checkpoint(dir)->filename(), checkpoint_name(20));
+}
+
+namespace {
+// Keeps a state tensor under the key "step", as a port of torch.optim code would.
+class StepKeyOptimizer final : public fusebox::Optimizer {
+ public:
+  using Optimizer::Optimizer;
+
+ protected:
+  void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t g) override {
+    ++state.step;
+    state.tensors["step"] = at::full({}, static_cast<double>(state.step));
+    param.add_(param.grad(), -lr(g));
+  }
+};
+}  // namespace
+
+// "<param>/step" holds the step count: a state tensor of that key would be lost in a save, so
+// saving it is refused with the key named.
+TEST(Checkpoint, AStateTensorNamedStepIsRefusedWhenSaving) {
+  at::Tensor w = at::ones({3}).requires_grad_(true);
+  fusebox::ParamGroup g;
+  g.params = {w};
+  g.names = {"w"};
+  fusebox::Schema schema;
+  schema.real("lr", 0.1, "learning rate");
+  StepKeyOptimizer opt({g}, fusebox::validate_hyperparams(schema, "stepkey", {}));
+  (w * w).sum().backward();
+  opt.step();
+  const std::string m = error_of([&] { opt.state_dict(); });
+  EXPECT_NE(m.find("optimizer state of parameter 'w': the tensor key 'step' is reserved"),
+            std::string::npos)
+      << m;
 }

@@ -119,3 +119,49 @@ TEST(HyperparamValidation, RealDeclaresFromANumberNoneOrAValue) {
   EXPECT_FALSE(h.is_set("none"));
   EXPECT_EQ(h.real("from_value"), 0.25);
 }
+
+// What a declaration returns may be kept and refined after more keys are declared (the schema's
+// storage grows in between): the bound still reaches the declared key.
+TEST(HyperparamValidation, AKeptDeclarationStillRefinesItsKeyAfterMoreAreDeclared) {
+  Schema s;
+  auto lr = s.real("lr", 0.1, "learning rate");
+  for (int i = 0; i < 50; ++i) s.real("k" + std::to_string(i), 0.0, "filler");
+  lr.above(0).at_most(10);
+  EXPECT_EQ(s.find("lr")->lo, 0.0);
+  EXPECT_TRUE(s.find("lr")->lo_open);
+  UserArgs a;
+  a["lr"] = UserArg{std::monostate{}, "0", "--optimizer-args"};
+  EXPECT_THROW(validate_hyperparams(s, "demo", a), Error);
+  a["lr"].text = "11";
+  EXPECT_THROW(validate_hyperparams(s, "demo", a), Error);
+}
+
+// A rule that throws (a bug in the plugin) is reported with the plugin and the rule's keys.
+TEST(HyperparamValidation, ARuleThatThrowsNamesThePluginAndTheRule) {
+  Schema s;
+  s.real("lr", 0.1, "learning rate");
+  s.rule("lr,beta9", [](const HyperParams& h) -> std::string {
+    return h.real("beta9") > 0 ? "" : "bad";  // beta9 was never declared: HyperParams throws
+  });
+  try {
+    validate_hyperparams(s, "demo", {});
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("demo: the plugin's rule over (lr,beta9) threw instead of returning a "
+                     "message"),
+              std::string::npos)
+        << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+}
+
+// TOML's `slice_p = 2.0` for an integer key says it is a float and how to write it.
+TEST(HyperparamValidation, AFloatForAnIntegerSaysSo) {
+  UserArgs a;
+  a["slice_p"] = UserArg{2.0, "", "run.toml:3:1"};
+  const std::string m = error_of(a);
+  EXPECT_NE(m.find("expected integer, got 2.0, a float (write it without the decimal point)"),
+            std::string::npos)
+      << m;
+}

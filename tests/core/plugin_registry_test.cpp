@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "fusebox/core/plugin_registry.h"
+#include "fusebox/core/step_mode.h"
 
 namespace fs = std::filesystem;
 using fusebox::Error;
@@ -153,6 +154,21 @@ TEST(PluginRegistry, DuplicateNamesAreRefusedNamingBothPaths) {
   EXPECT_NE(msg.find("two plugins are named 'sgd'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("sgd.so"), std::string::npos) << msg;
   EXPECT_NE(msg.find("tp_duplicate_sgd.so"), std::string::npos) << msg;
+  // Another plugin of that folder is still found by name, and the listing names the clash
+  // instead of failing as a whole.
+  EXPECT_EQ(reg.load_by_name("adamw")->info().name, "adamw");
+  std::vector<fusebox::BrokenPlugin> broken;
+  bool has_adamw = false, has_sgd = false;
+  for (const auto& p : reg.list(&broken)) {
+    has_adamw = has_adamw || p->info().name == "adamw";
+    has_sgd = has_sgd || p->info().name == "sgd";
+  }
+  EXPECT_TRUE(has_adamw);
+  EXPECT_FALSE(has_sgd) << "a name two files share selects neither";
+  bool reported = false;
+  for (const auto& b : broken)
+    reported = reported || b.error.find("two plugins are named 'sgd'") != std::string::npos;
+  EXPECT_TRUE(reported);
 }
 
 TEST(PluginRegistry, FactoryThrows) {
@@ -200,4 +216,45 @@ TEST(PluginRegistry, OptimizerKeepsLibraryAliveAfterRegistryAndPluginAreGone) {
   w.mutable_grad() = at::ones({3});
   opt->step();  // virtual call into the plugin: its code must still be mapped
   EXPECT_NEAR(w[0].item<float>(), 1.0f - 1e-3f, 1e-7);
+}
+
+// A plugin built with the other libstdc++ string ABI would crash in its first call (std::string
+// is laid out differently): it is refused from its ELF symbols before it is loaded.
+TEST(PluginRegistry, APluginOfTheOtherStringAbiIsRefusedBeforeItRuns) {
+  PluginRegistry reg(only({}));
+  const std::string msg =
+      error_of([&] { reg.load_file((kTestPlugins / "tp_other_string_abi.so").string()); });
+  EXPECT_NE(msg.find("tp_other_string_abi.so is built with -D_GLIBCXX_USE_CXX11_ABI=0 but fusebox "
+                     "and its LibTorch use 1"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  EXPECT_NO_THROW(reg.load_file((kPlugins / "sgd.so").string()));  // this ABI: loads
+}
+
+// Values that are not std::exceptions (throw 42) from a plugin inside a hook would end the
+// process in autograd's engine; they come out as one fusebox::Error, and the iteration is
+// abandoned cleanly.
+TEST(PluginRegistry, APluginThrowingANonStandardValueInAHookGivesAnError) {
+  PluginRegistry reg(only({}));
+  auto plugin = reg.load_file((kTestPlugins / "tp_throws_int.so").string());
+  const fusebox::HyperParams hp = plugin->validate({});
+  for (const std::string mode : {"fused", "groups"}) {
+    SCOPED_TRACE(mode);
+    at::Tensor w = at::randn({4, 3}).requires_grad_(true);
+    fusebox::ParamGroup g;
+    g.params = {w};
+    g.names = {"w"};
+    fusebox::StepOptions o;
+    o.warn = [](const std::string&) {};
+    std::unique_ptr<fusebox::StepMode> m =
+        mode == "fused"
+            ? fusebox::make_fused_backward(plugin->create({g}, hp), o)
+            : fusebox::make_optimizer_groups(
+                  {g}, 1, fusebox::SplitPolicy::Size,
+                  [&](std::vector<fusebox::ParamGroup> gs) { return plugin->create(gs, hp); }, o);
+    const std::string msg = error_of([&] { m->backward((w * w).sum()); });
+    EXPECT_NE(msg.find("threw a value that is not a std::exception"), std::string::npos) << msg;
+    EXPECT_FALSE(w.grad().defined()) << "the gradient is freed";
+  }
 }

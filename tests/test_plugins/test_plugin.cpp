@@ -1,5 +1,10 @@
 // Deliberately misbehaving plugins for the loader and hook tests; which fault is chosen by a
 // compile definition (see CMakeLists.txt here).
+#ifdef FAULT_OTHER_STRING_ABI
+// Before any standard header: the libstdc++ string ABI that LibTorch's flags did not choose.
+#undef _GLIBCXX_USE_CXX11_ABI
+#define _GLIBCXX_USE_CXX11_ABI 0
+#endif
 #include <fusebox/sdk.h>
 
 namespace {
@@ -9,7 +14,7 @@ class TestOptimizer final : public fusebox::Optimizer {
  public:
   static void declare_schema(fusebox::Schema& s) { s.real("lr", 0.1, "learning rate").above(0); }
   TestOptimizer(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)
-      : Optimizer(std::move(groups), hp) {
+      : Optimizer(std::move(groups), hp), lr_at_start_(hp.real("lr")) {
 #ifdef FAULT_FACTORY_THROWS
     throw fusebox::Error("test plugin: factory refuses to build");
 #endif
@@ -23,9 +28,20 @@ class TestOptimizer final : public fusebox::Optimizer {
 #ifdef FAULT_STEP_PARAM_THROWS
     throw fusebox::Error("test plugin: step_param exploded on purpose");
 #endif
+#ifdef FAULT_THROWS_INT
+    throw 42;  // not a std::exception
+#endif
     ++state.step;
+#ifdef FAULT_LR_IN_CTOR
+    (void)g;
+    param.add_(param.grad(), -lr_at_start_);  // ignores the scheduler's lr
+#else
     param.add_(param.grad(), -lr(g));
+#endif
   }
+
+ private:
+  double lr_at_start_;
 };
 
 }  // namespace

@@ -267,6 +267,13 @@ int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::o
     out.flush();
     err << ("trainer: error: " + who + "internal: " + first_line(e.what()) + "\n") << std::flush;
     return kExitInternal;
+  } catch (...) {
+    // Only a plugin throws what is not a std::exception; fusebox itself never does.
+    out.flush();
+    err << ("trainer: error: " + who +
+            "internal: something threw a value that is not a std::exception (a plugin?)\n")
+        << std::flush;
+    return kExitInternal;
   }
 }
 

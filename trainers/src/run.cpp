@@ -373,6 +373,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") +
                          "training failed at step " + std::to_string(step) + ": " +
                          first_line(e.what()));
+  } catch (...) {
+    progress.finish();
+    throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") +
+                         "training failed at step " + std::to_string(step) + ": the optimizer " +
+                         plugin.info().name +
+                         " threw a value that is not a std::exception (a bug in the plugin)");
   }
   progress.finish();
   summary.wall_seconds = seconds_since(start);

@@ -75,43 +75,83 @@ struct Rule {
   std::function<std::string(const HyperParams&)> check;  ///< "" when satisfied
 };
 
+/// What Schema's declarations return: refines the spec just declared, `.at_least(0).below(1)`.
+/// It holds the spec's position, not a reference, so it stays valid when more keys are declared
+/// (a `HyperParamSpec&` into the schema's vector would dangle at its next growth).
+class SpecRef {
+ public:
+  SpecRef(std::vector<HyperParamSpec>& specs, size_t index) : specs_(&specs), index_(index) {}
+  /// Requires value >= v.
+  SpecRef at_least(double v) {
+    spec().at_least(v);
+    return *this;
+  }
+  /// Requires value > v.
+  SpecRef above(double v) {
+    spec().above(v);
+    return *this;
+  }
+  /// Requires value <= v.
+  SpecRef at_most(double v) {
+    spec().at_most(v);
+    return *this;
+  }
+  /// Requires value < v.
+  SpecRef below(double v) {
+    spec().below(v);
+    return *this;
+  }
+  /// Allows "none" as a value.
+  SpecRef allow_none() {
+    spec().allow_none();
+    return *this;
+  }
+  /// The spec itself, valid until the next declaration.
+  HyperParamSpec& spec() const { return (*specs_)[index_]; }
+  HyperParamSpec* operator->() const { return &spec(); }
+
+ private:
+  std::vector<HyperParamSpec>* specs_;
+  size_t index_;
+};
+
 /// Everything a plugin accepts; built in the plugin's `declare_schema`.
 class Schema {
  public:
   /// Declares a boolean.
-  HyperParamSpec& flag(const std::string& name, bool def, const std::string& help) {
+  SpecRef flag(const std::string& name, bool def, const std::string& help) {
     return add(name, ParamType::Bool, def, help);
   }
   /// Declares an integer.
-  HyperParamSpec& integer(const std::string& name, int64_t def, const std::string& help) {
+  SpecRef integer(const std::string& name, int64_t def, const std::string& help) {
     return add(name, ParamType::Int, def, help);
   }
   /// Declares a real number.
-  HyperParamSpec& real(const std::string& name, double def, const std::string& help) {
+  SpecRef real(const std::string& name, double def, const std::string& help) {
     return add(name, ParamType::Double, def, help);
   }
   /// Declares a real number without a default ("none"); chain allow_none().
-  HyperParamSpec& real(const std::string& name, std::monostate none, const std::string& help) {
+  SpecRef real(const std::string& name, std::monostate none, const std::string& help) {
     return add(name, ParamType::Double, none, help);
   }
   /// Declares a real number whose default is held in a Value (a double or std::monostate).
-  HyperParamSpec& real(const std::string& name, Value def, const std::string& help) {
+  SpecRef real(const std::string& name, Value def, const std::string& help) {
     return add(name, ParamType::Double, std::move(def), help);
   }
   /// Declares a pair of reals, e.g. betas; bounds apply to both elements.
-  HyperParamSpec& real_pair(const std::string& name, std::pair<double, double> def,
-                            const std::string& help) {
+  SpecRef real_pair(const std::string& name, std::pair<double, double> def,
+                    const std::string& help) {
     return add(name, ParamType::DoublePair, def, help);
   }
   /// Declares a free string.
-  HyperParamSpec& text(const std::string& name, const std::string& def, const std::string& help) {
+  SpecRef text(const std::string& name, const std::string& def, const std::string& help) {
     return add(name, ParamType::String, def, help);
   }
   /// Declares a string restricted to `choices`.
-  HyperParamSpec& choice(const std::string& name, const std::string& def,
-                         std::vector<std::string> choices, const std::string& help) {
-    HyperParamSpec& s = add(name, ParamType::Enum, def, help);
-    s.choices = std::move(choices);
+  SpecRef choice(const std::string& name, const std::string& def, std::vector<std::string> choices,
+                 const std::string& help) {
+    SpecRef s = add(name, ParamType::Enum, def, help);
+    s->choices = std::move(choices);
     return s;
   }
   /// Adds a cross-field rule over `keys` (a comma-separated list, used in messages).
@@ -131,11 +171,11 @@ class Schema {
   }
 
  private:
-  HyperParamSpec& add(const std::string& name, ParamType type, Value def, const std::string& help) {
+  SpecRef add(const std::string& name, ParamType type, Value def, const std::string& help) {
     HyperParamSpec s;
     s.name = name, s.type = type, s.default_value = std::move(def), s.help = help;
     specs_.push_back(std::move(s));
-    return specs_.back();
+    return SpecRef(specs_, specs_.size() - 1);
   }
   std::vector<HyperParamSpec> specs_;
   std::vector<Rule> rules_;

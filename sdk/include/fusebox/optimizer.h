@@ -131,8 +131,14 @@ class FUSEBOX_VISIBLE Optimizer {
         if (st.step == 0 && st.tensors.empty()) continue;
         const std::string& name = groups_[g].names[i];
         out[name + "/step"] = scalar_tensor_(static_cast<double>(st.step));
-        for (const auto& kv : st.tensors)
+        for (const auto& kv : st.tensors) {
+          if (kv.first == "step")
+            throw Error(
+                "optimizer state of parameter '" + name +
+                "': the tensor key 'step' is reserved for the step count (ParamState::step, "
+                "saved as <param>/step); give the tensor another name");
           if (kv.second.defined()) out[name + "/" + kv.first] = kv.second;
+        }
       }
     for (const auto& kv : globals_) out["@optimizer/" + kv.first] = scalar_tensor_(kv.second);
     return out;
@@ -166,7 +172,10 @@ class FUSEBOX_VISIBLE Optimizer {
   /// group `group`'s lr. Called with grad mode off. Per-parameter plugins override this.
   virtual void update_param(const at::Tensor& param, ParamState& state, size_t group) {
     (void)param, (void)state, (void)group;
-    throw Error("this optimizer cannot update one parameter at a time (no supports_step_param)");
+    throw Error(
+        "this optimizer does not override update_param, so it cannot update one parameter at a "
+        "time: a plugin that declares supports_step_param must override it (or drop the "
+        "capability and override step())");
   }
 
   /// State of parameter `i` in group `g`.

@@ -71,11 +71,15 @@ class PluginRegistry {
   std::shared_ptr<LoadedPlugin> load_file(const std::string& spec);
   /// Loads the plugin whose descriptor name is `name`; refuses duplicates naming both paths.
   std::shared_ptr<LoadedPlugin> load_by_name(const std::string& name);
-  /// Every loadable plugin in the search path (sorted by name); unloadable files go to `broken`.
+  /// Every loadable plugin in the search path (sorted by name); unloadable files go to `broken`,
+  /// and so do plugins sharing a name with another file (left out: neither is the one by name).
   std::vector<std::shared_ptr<LoadedPlugin>> list(std::vector<BrokenPlugin>* broken = nullptr);
 
  private:
   std::shared_ptr<LoadedPlugin> load_path(const std::filesystem::path& path);
+  /// list(), plus the error of each name that two files share.
+  std::vector<std::shared_ptr<LoadedPlugin>> scan(std::vector<BrokenPlugin>* broken,
+                                                  std::map<std::string, std::string>* clashes);
   LoaderOptions options_;
   std::map<std::string, std::shared_ptr<LoadedPlugin>> cache_;  // by canonical path
 };

@@ -23,7 +23,12 @@
 //                        uninterrupted run, bit for bit; keys are "<param>/..." or "@optimizer/..."
 //   StateAcrossRegroup   supports_step_param: a state saved by one instance loads into groups
 //   Deterministic        two runs from the same start are bit-identical
+//   StochasticRoundingIsOrderFree
+//                        supports_step_param and a stochastic_rounding key: bf16 parameters
+//                        rounded stochastically are the same whatever the update order
 //   EffectiveLr          effective_lr() is finite and not negative after steps (auto_lr: > 0)
+//   FollowsGroupLr       an lr hyperparameter: the group lr a scheduler sets is the one applied
+//                        (built with lr and with lr/2, the same set_lr schedule gives the same run)
 //   Dtypes               float64, float32, bfloat16 and float16 parameters step without error,
 //                        keep their dtype and stay finite (step(), and step_param() if declared)
 //   NoGradientNoUpdate   step() leaves a parameter without a gradient untouched
@@ -37,6 +42,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -575,6 +581,37 @@ inline void check_effective_lr(const Target& t) {
   }
 }
 
+/// The lr a scheduler sets on a group (set_lr before each step) is the one applied: an instance
+/// built with lr=L and one built with lr=L/2 step alike under the same schedule of group lrs.
+/// A plugin that copies hyperparameter lr in its constructor ignores every schedule.
+inline void check_follows_group_lr(const Target& t) {
+  std::shared_ptr<LoadedPlugin> p = load(t);
+  const HyperParamSpec* spec = p->schema().find("lr");
+  if (!spec || spec->type != ParamType::Double) GTEST_SKIP() << "no real lr hyperparameter";
+  const HyperParams hp = detail::hyperparams(*p, t);
+  if (!hp.is_set("lr")) GTEST_SKIP() << "lr is none with these hyperparameters";
+  const double lr = hp.real("lr");
+  UserArgs half_args = user_args(t);
+  char text[64];
+  std::snprintf(text, sizeof text, "%.17g", lr / 2);
+  half_args["lr"] = UserArg{std::monostate{}, text, "conformance"};
+  const HyperParams half = p->validate(half_args);
+  auto run = [&](const HyperParams& built_with) {
+    detail::Model m;
+    std::shared_ptr<Optimizer> opt = p->create(m.groups(), built_with);
+    for (int64_t s = 0; s < detail::kSteps; ++s) {
+      for (size_t g = 0; g < opt->num_groups(); ++g) opt->set_lr(g, s % 2 ? lr : lr / 2);
+      m.loss(s).backward();
+      opt->step();
+      opt->zero_grad();
+    }
+    return m;
+  };
+  detail::expect_identical(run(hp), run(half),
+                           "built with lr and with lr/2, then given the same group lrs: the "
+                           "plugin must read lr(group) at each step, not hyperparameter lr");
+}
+
 /// Every floating dtype steps without error, keeps its dtype and stays finite.
 inline void check_dtypes(const Target& t) {
   std::shared_ptr<LoadedPlugin> p = load(t);
@@ -651,6 +688,7 @@ class Fixture : public ::testing::TestWithParam<Target> {};
   }                                                                                             \
   TEST_P(Suite, Deterministic) { ::fusebox::conformance::check_deterministic(GetParam()); }     \
   TEST_P(Suite, EffectiveLr) { ::fusebox::conformance::check_effective_lr(GetParam()); }        \
+  TEST_P(Suite, FollowsGroupLr) { ::fusebox::conformance::check_follows_group_lr(GetParam()); } \
   TEST_P(Suite, Dtypes) { ::fusebox::conformance::check_dtypes(GetParam()); }                   \
   TEST_P(Suite, NoGradientNoUpdate) {                                                           \
     ::fusebox::conformance::check_no_gradient_no_update(GetParam());                            \
