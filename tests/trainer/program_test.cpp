@@ -85,5 +85,21 @@ TEST(TrainerBinary, SetsAndReportsBothThreadPools) {
   EXPECT_EQ(r.err, "trainer: error: --blas-threads: must be at least 0, got -1\n");
 }
 
+// The config file shown in docs/trainer.md is valid as written.
+TEST(TrainerBinary, TheDocumentedConfigExampleIsValid) {
+  TempDir dir;
+  const std::string doc = testing::read_text(testing::repo_root() + "/docs/trainer.md");
+  const std::string start = "```toml\n# run.toml\n";
+  const size_t begin = doc.find(start);
+  ASSERT_NE(begin, std::string::npos) << "the example is gone from docs/trainer.md";
+  const size_t end = doc.find("```", begin + start.size());
+  ASSERT_NE(end, std::string::npos);
+  const std::string cfg =
+      dir.write("run.toml", doc.substr(begin + 8, end - begin - 8));  // after "```toml\n"
+  auto r = run_program("--config " + cfg + " --print-config", dir.str());
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("relative_step = false"), std::string::npos) << r.out;
+}
+
 }  // namespace
 }  // namespace fusebox::trainer

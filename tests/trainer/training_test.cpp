@@ -62,6 +62,22 @@ TEST(TrainerTraining, TransformerLearnsShippedText) {
                 0.8);
 }
 
+// A text file of exactly one window (--seq-len + 1 bytes) is enough; one byte less is refused.
+TEST(TrainerTraining, ATextFileOfOneWindowIsEnough) {
+  TempDir dir;
+  const std::string five = dir.write("five.txt", "hello"), four = dir.write("four.txt", "hell");
+  auto args = [&](const std::string& file) {
+    return join(plugin_args("sgd.so"),
+                {"--model", "transformer", "--model-width", "8", "--model-heads", "2", "--seq-len",
+                 "4", "--dataset", "text:" + file, "--max-train-steps", "2", "--output-dir", ""});
+  };
+  auto r = run_trainer(args(five));
+  EXPECT_EQ(r.code, 0) << r.err;
+  r = run_trainer(args(four));
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_NE(r.err.find("has 4 bytes; --seq-len 4 needs at least 5"), std::string::npos) << r.err;
+}
+
 TEST(TrainerTraining, DenoiserLossFalls) {
   expect_learns(
       train({"--model", "denoiser", "--model-width", "8", "--model-depth", "2", "--image-size", "8",
@@ -209,6 +225,46 @@ def forward(self, x):
                        "forward(batch) returns the loss"),
             std::string::npos)
       << r.err;
+}
+
+// Integer tensors of a script model keep their type whatever --dtype or --full-bf16 say: an index
+// buffer still indexes, a counter still counts (in bf16 it would stop at 256), and an integer
+// parameter is not trained. A failing forward reports the script's own error line.
+TEST(TrainerTraining, ScriptModelIntegerTensorsKeepTheirType) {
+  TempDir dir;
+  torch::jit::Module m("Net");
+  torch::manual_seed(0);
+  m.register_parameter("w", torch::randn({8, 1}), false);
+  m.register_parameter("scale", torch::full({1}, 2, torch::kLong), false);
+  m.register_buffer("order", torch::arange(7, -1, -1, torch::kLong));
+  m.register_buffer("calls", torch::full({1}, 300, torch::kLong));
+  m.define(R"(
+def forward(self, x):
+    self.calls.add_(1)
+    xr = x.index_select(1, self.order)
+    assert x.size(0) < 1000, "the batch is too large for this test model"
+    return ((xr.matmul(self.w) - x.sum(1, keepdim=True) * self.scale) ** 2).mean()
+)");
+  const std::string script = dir.file("ints.pt");
+  m.save(script);
+  auto r = run_trainer(
+      join(plugin_args("sgd.so"), {"--model-script", script, "--model-width", "8", "--full-bf16",
+                                   "--max-train-steps", "3", "--output-dir", dir.file("out")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("8 parameters in 1 tensors"), std::string::npos) << r.out;
+  const auto ckpt = fusebox::load_checkpoint(dir.file("out/checkpoint-00000003.fbx"));
+  ASSERT_TRUE(ckpt.buffers.count("calls"));
+  EXPECT_EQ(ckpt.buffers.at("calls").scalar_type(), at::kLong);
+  EXPECT_EQ(ckpt.buffers.at("calls").item<int64_t>(), 303);
+  EXPECT_EQ(ckpt.model.count("scale"), 0u) << "an integer parameter is not trained";
+
+  r = run_trainer(join(plugin_args("sgd.so"),
+                       {"--model-script", script, "--model-width", "8", "--train-batch-size",
+                        "1000", "--max-train-steps", "1", "--output-dir", ""}));
+  EXPECT_EQ(r.code, 3);
+  EXPECT_NE(r.err.find("forward failed: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the batch is too large for this test model"), std::string::npos) << r.err;
+  EXPECT_EQ(testing::count_lines(r.err), 1) << r.err;
 }
 
 // --save-model of a built-in model: a {name: tensor} dict in torch's pickle format (what Python's

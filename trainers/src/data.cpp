@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 
@@ -76,18 +77,21 @@ class TextData : public DataSource {
     if (!in) throw Error("text file " + path + " cannot be read");
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (in.bad()) throw Error("text file " + path + " cannot be read");
-    if (static_cast<int64_t>(bytes.size()) < window + 2)
+    // One window of bytes is enough: every sample is then that window.
+    if (static_cast<int64_t>(bytes.size()) < window)
       throw Error("text file " + path + " has " + std::to_string(bytes.size()) +
                   " bytes; --seq-len " + std::to_string(window - 1) + " needs at least " +
-                  std::to_string(window + 2));
-    tokens_ = at::empty({static_cast<int64_t>(bytes.size())}, kLong);
-    auto* p = tokens_.data_ptr<int64_t>();
-    for (size_t i = 0; i < bytes.size(); ++i) p[i] = static_cast<unsigned char>(bytes[i]);
+                  std::to_string(window));
+    // Kept as bytes (one per token, not eight): the file stays in memory for the whole run and
+    // would otherwise weigh on every step's peak.
+    tokens_ = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+    std::memcpy(tokens_.data_ptr<uint8_t>(), bytes.data(), bytes.size());
   }
   Batch next() override {
     at::Tensor starts = at::randint(tokens_.size(0) - window_ + 1, {batch_}, gen_, kLong);
     at::Tensor idx = starts.unsqueeze(1) + at::arange(window_, kLong).unsqueeze(0);
-    at::Tensor seq = tokens_.index_select(0, idx.reshape({-1})).reshape({batch_, window_});
+    at::Tensor seq =
+        tokens_.index_select(0, idx.reshape({-1})).reshape({batch_, window_}).to(kLong);
     if (!split_) return Batch{seq, {}, {}, {}};
     return Batch{seq.slice(1, 0, window_ - 1), seq.slice(1, 1, window_), {}, {}};
   }

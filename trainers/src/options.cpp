@@ -197,13 +197,15 @@ std::vector<OptionSpec> build_specs() {
                    "when not on a terminal: print a line every N steps (0: never)", "N")),
            0);
   at_least(add(opt("save-every-n-steps", Kind::Int, int64_t{0},
-                   "save a checkpoint every N steps (0: never)", "N")),
+                   "save a checkpoint every N steps (0: only the final one)", "N")),
            0);
   at_least(add(opt("keep-last-n-checkpoints", Kind::Int, int64_t{0},
                    "delete older checkpoints, keeping N (0: keep all)", "N")),
            0);
-  add(opt("resume", Kind::Text, {}, "continue from a checkpoint folder, or the latest one",
-          "PATH|latest"));
+  add(opt("resume", Kind::Text, {},
+          "continue from a checkpoint file, the one written last in a folder, or latest (in "
+          "--output-dir)",
+          "PATH|DIR|latest"));
   add(opt("save-model", Kind::Text, {}, "write the trained parameters to this file", "PATH"));
   return v;
 }

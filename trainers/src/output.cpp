@@ -225,15 +225,16 @@ void MetricsFiles::commit(const RunSummary& s) {
 }
 
 Progress::Progress(std::ostream& out, bool terminal, int64_t total_steps, int64_t log_every,
-                   std::string label)
+                   std::string label, int64_t first_step)
     : out_(out),
       terminal_(terminal),
       total_(total_steps),
       log_every_(log_every),
+      first_step_(first_step),
       label_(std::move(label)) {}
 
 void Progress::update(const StepMetrics& m, double elapsed) {
-  const double rate = elapsed > 0 ? static_cast<double>(m.step) / elapsed : 0;
+  const double rate = elapsed > 0 ? static_cast<double>(m.step - first_step_) / elapsed : 0;
   const double eta = rate > 0 ? static_cast<double>(total_ - m.step) / rate : 0;
   // The step size actually applied (Adafactor's relative step, auto-LR's d*lr), first group.
   const double lr =
@@ -249,7 +250,8 @@ void Progress::update(const StepMetrics& m, double elapsed) {
          << "] " << m.step << "/" << total_ << "  " << stats << "  ETA " << format_duration(eta)
          << "   " << std::flush;
     drawn_ = true;
-  } else if (log_every_ > 0 && (m.step % log_every_ == 0 || m.step == total_ || m.step == 1)) {
+  } else if (log_every_ > 0 &&
+             (m.step % log_every_ == 0 || m.step == total_ || m.step == first_step_ + 1)) {
     out_ << prefix << "step " << m.step << "/" << total_ << "  " << stats << "  ETA "
          << format_duration(eta) << "\n"
          << std::flush;

@@ -77,11 +77,12 @@ class MetricsFiles {
 };
 
 /// Progress on the console: a redrawn bar on a terminal, plain lines every `log_every` steps
-/// otherwise.
+/// otherwise. The rate counts the steps of this invocation: a resumed run starts after
+/// `first_step`.
 class Progress {
  public:
   Progress(std::ostream& out, bool terminal, int64_t total_steps, int64_t log_every,
-           std::string label);
+           std::string label, int64_t first_step = 0);
   void update(const StepMetrics& m, double elapsed_seconds);
   /// Ends the bar's line (terminal only).
   void finish();
@@ -89,7 +90,7 @@ class Progress {
  private:
   std::ostream& out_;
   bool terminal_;
-  int64_t total_, log_every_;
+  int64_t total_, log_every_, first_step_;
   std::string label_;
   bool drawn_ = false;
 };

@@ -276,7 +276,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                                 first_step, scheduler.lrs().size())
                          : MetricsHistory{});
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
-                    c.name.empty() ? "" : "[" + c.name + "]");
+                    c.name.empty() ? "" : "[" + c.name + "]", first_step);
   const bool autocast = autocast_enabled(c);
   const at::ScalarType autocast_dtype = c.mixed_precision == "fp16" ? at::kHalf : at::kBFloat16;
 

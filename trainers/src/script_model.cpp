@@ -1,6 +1,8 @@
 // A TorchScript module as a model: forward(batch) returns the scalar loss.
 #include <torch/script.h>
 
+#include <sstream>
+
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
@@ -10,13 +12,27 @@ namespace fusebox::trainer {
 
 namespace {
 
+// The line of a TorchScript error that says what went wrong: the interpreter's message starts
+// with "The following operation failed ..." and a traceback, and ends with the error itself.
+std::string script_error(const std::string& what) {
+  if (what.rfind("The following operation failed in the TorchScript interpreter", 0) != 0)
+    return first_line(what);
+  std::string last, line;
+  std::istringstream in(what);
+  while (std::getline(in, line))
+    if (line.find_first_not_of(" \t") != std::string::npos) last = line;
+  return last.substr(last.find_first_not_of(" \t"));
+}
+
 class ScriptModel : public Model {
  public:
   ScriptModel(torch::jit::Module m, std::string path) : m_(std::move(m)), path_(std::move(path)) {}
 
   std::vector<std::pair<std::string, at::Tensor>> parameters() override {
     std::vector<std::pair<std::string, at::Tensor>> named;
-    for (const auto& p : m_.named_parameters(/*recurse=*/true)) named.emplace_back(p.name, p.value);
+    // Integer parameters (indices, counters) take no gradient: they are not trained.
+    for (const auto& p : m_.named_parameters(/*recurse=*/true))
+      if (p.value.is_floating_point()) named.emplace_back(p.name, p.value);
     return unique_parameters(std::move(named));
   }
 
@@ -32,7 +48,7 @@ class ScriptModel : public Model {
     try {
       out = m_.forward({b.input});
     } catch (const std::exception& e) {
-      throw Error("model script " + path_ + ": forward failed: " + first_line(e.what()));
+      throw Error("model script " + path_ + ": forward failed: " + script_error(e.what()));
     }
     if (!out.isTensor())
       throw Error("model script " + path_ + ": forward must return a tensor (the loss), got " +
@@ -82,9 +98,18 @@ std::unique_ptr<Model> load_script_model(const std::string& path, c10::Device de
     throw Error("model script " + path +
                 " has no forward method: it must be a TorchScript module whose forward(batch) "
                 "returns the loss");
-  m.to(dtype);
+  // Only floating-point tensors take --dtype (Module::to would turn index and counter buffers
+  // into floats too); set_data changes them in place, as Module::to does.
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& p : m.parameters(/*recurse=*/true))
+      if (p.is_floating_point()) p.set_data(p.to(dtype));
+    for (const auto& b : m.buffers(/*recurse=*/true))
+      if (b.defined() && b.is_floating_point()) b.set_data(b.to(dtype));
+  }
   m.train();
-  for (const auto& p : m.parameters(/*recurse=*/true)) p.set_requires_grad(true);
+  for (const auto& p : m.parameters(/*recurse=*/true))
+    if (p.is_floating_point()) p.set_requires_grad(true);
   auto model = std::make_unique<ScriptModel>(std::move(m), path);
   if (model->parameters().empty())
     throw Error("model script " + path + " has no parameters to train");

@@ -1,9 +1,11 @@
-// The metrics files: each record is written once (appended after the first write), a resumed
-// run's history leaves out a record cut short by a kill, and only unwritten records stay in memory.
+// What a run writes and prints: the metrics files (each record written once, appended after the
+// first write; a resumed run's history leaves out a record cut short by a kill; only unwritten
+// records stay in memory) and the progress lines.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include "output.h"
@@ -11,6 +13,7 @@
 
 using fusebox::trainer::MetricsFiles;
 using fusebox::trainer::MetricsHistory;
+using fusebox::trainer::Progress;
 using fusebox::trainer::read_metrics_history;
 using fusebox::trainer::StepMetrics;
 using namespace fusebox::trainer::testing;
@@ -102,4 +105,19 @@ TEST(MetricsFiles, AResumedRunKeepsWholeRecordsUpToItsCheckpoint) {
   EXPECT_EQ(count_lines(text), 5) << text;
   EXPECT_EQ(text.find("\"step\":6"), std::string::npos) << text;
   EXPECT_EQ(read_metrics_history(tmp.str(), 5, 1).jsonl, text);
+}
+
+// A resumed run's rate and ETA count only the steps it trained: 500 steps in 1 s after resuming at
+// step 1000 is 500 it/s with 1 s to go (not 1500 it/s); its first line is its first step.
+TEST(Progress, ARateCountsOnlyThisInvocationsSteps) {
+  std::ostringstream out;
+  Progress p(out, /*terminal=*/false, 2000, 500, "", /*first_step=*/1000);
+  StepMetrics m = record(1001);
+  p.update(m, 0.002);
+  EXPECT_NE(out.str().find("step 1001/2000"), std::string::npos) << out.str();
+  m = record(1500);
+  p.update(m, 1.0);
+  EXPECT_NE(out.str().find("step 1500/2000"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("500.00 it/s"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("ETA 0:01"), std::string::npos) << out.str();
 }
