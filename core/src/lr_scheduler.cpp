@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <string>
 
 #include "fusebox/core/suggest.h"
 
@@ -18,6 +20,14 @@ const std::vector<std::string>& scheduler_types() {
   return types;
 }
 
+namespace {
+std::string short_real(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+}  // namespace
+
 LrScheduler::LrScheduler(std::vector<std::shared_ptr<Optimizer>> optimizers,
                          SchedulerOptions options)
     : optimizers_(std::move(optimizers)), options_(std::move(options)) {
@@ -32,7 +42,16 @@ LrScheduler::LrScheduler(std::vector<std::shared_ptr<Optimizer>> optimizers,
     throw Error("--lr-scheduler-power must be > 0");
   for (const auto& opt : optimizers_) {
     std::vector<double> base;
-    for (size_t g = 0; g < opt->num_groups(); ++g) base.push_back(opt->lr(g));
+    for (size_t g = 0; g < opt->num_groups(); ++g) {
+      const double lr = opt->lr(g);
+      // As transformers' polynomial schedule: decaying "to" an end at or above the start would
+      // silently hold the lr constant.
+      if (options_.type == "polynomial" && lr > 0 && lr <= options_.lr_end)
+        throw Error("--lr-scheduler polynomial decays to " + short_real(options_.lr_end) +
+                    ", but the learning rate is " + short_real(lr) +
+                    ": raise --learning-rate above it or choose another --lr-scheduler");
+      base.push_back(lr);
+    }
     base_lrs_.push_back(std::move(base));
   }
   apply();

@@ -475,4 +475,16 @@ TEST(LrScheduler, ShapesMatchTheirDefinitions) {
   SchedulerOptions warm{"constant_with_warmup", 4, 10};
   EXPECT_NEAR(at_step(warm, 1), 0.25, 1e-12);
   EXPECT_NEAR(at_step(warm, 7), 1.0, 1e-12);
+  // Polynomial decay to an end at or above the lr would hold it constant: refused (as
+  // transformers does).
+  g.lr = 1e-8;
+  try {
+    at_step(SchedulerOptions{"polynomial", 0, 10}, 0);
+    ADD_FAILURE() << "an lr below the polynomial end was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("polynomial decays to 1e-07, but the learning rate is "
+                                         "1e-08"),
+              std::string::npos)
+        << e.what();
+  }
 }

@@ -93,6 +93,13 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"plugin throws an int in a hook",
        "--fused-backward-pass --optimizer-plugin " + tp + "/tp_throws_int.so",
        "threw a value that is not a std::exception (a bug in the plugin", 3},
+      {"a schedule adafactor's relative step would ignore",
+       "--optimizer adafactor --lr-scheduler cosine",
+       "--lr-scheduler cosine: adafactor with relative_step=true computes its own step size", 2},
+      {"polynomial decay below its end",
+       "--optimizer sgd --lr-scheduler polynomial "
+       "--learning-rate 1e-8",
+       "polynomial decays to 1e-07", 2},
       {"plugin of the other string ABI", "--optimizer-plugin " + tp + "/tp_other_string_abi.so",
        "is built with -D_GLIBCXX_USE_CXX11_ABI=0", 2},
       {"bad hyperparameter", "--optimizer adamw --optimizer-args betas=\'(0.9,1.5)\'", "'betas'",

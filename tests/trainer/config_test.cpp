@@ -279,6 +279,16 @@ TEST(TrainerProgram, PrintConfigRoundTrips) {
   second = run_trainer({"--config", path2, "--print-config"});
   ASSERT_EQ(second.code, 0) << second.err;
   EXPECT_EQ(first.out, second.out);
+
+  // A run choosing its plugin by name, the command line by file: the printed config keeps the
+  // command line's choice for that run too (as training would), not the run's.
+  const std::string pick =
+      dir.write("pick.toml", "optimizer_plugin = \"sgd.so\"\nplugin_dir = [\"" FUSEBOX_PLUGIN_DIR
+                             "\"]\n[[runs]]\nname = \"x\"\noptimizer = \"adam\"\n");
+  first = run_trainer({"--config", pick, "--print-config", "--optimizer-plugin", "lion.so"});
+  ASSERT_EQ(first.code, 0) << first.err;
+  EXPECT_EQ(first.out.find("adam"), std::string::npos) << first.out;
+  EXPECT_NE(first.out.find("optimizer_plugin = \"lion.so\""), std::string::npos) << first.out;
 }
 
 }  // namespace

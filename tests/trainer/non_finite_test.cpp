@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/script.h>
 
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "fusebox/core/checkpoint.h"
 #include "trainer_test_util.h"
@@ -47,6 +49,23 @@ TEST(TrainerNonFinite, SkippedStepsAreCountedAndTheRunGoesOn) {
       << r.err;
   EXPECT_NE(r.out.find("4 steps skipped (non-finite)"), std::string::npos) << r.out;
   EXPECT_NE(read_text(tmp.file("a/summary.json")).find("\"skipped_steps\":4"), std::string::npos);
+
+  // A skipped step does not use up the schedule: with a linear decay the step after a skip
+  // trains at the skipped step's lr.
+  r = run_program(args + " --lr-scheduler linear --output-dir " + tmp.file("lin"), tmp.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::vector<std::string> lr;  // metrics.csv's lr_0 column, by step
+  std::istringstream csv(read_text(tmp.file("lin/metrics.csv")));
+  std::string line;
+  std::getline(csv, line);  // header: step,loss,lr_0,...
+  while (std::getline(csv, line)) {
+    const size_t a = line.find(',', line.find(',') + 1);
+    lr.push_back(line.substr(a + 1, line.find(',', a + 1) - a - 1));
+  }
+  ASSERT_EQ(lr.size(), 12u);
+  EXPECT_EQ(lr[3], lr[2]);  // step 4 after the skipped step 3
+  EXPECT_NE(lr[2], lr[1]);  // otherwise the lr decays every step
+  EXPECT_EQ(lr[6], lr[5]);
 
   // A limit of one skip in a row ends the run at the first one, before its checkpoint.
   r = run_program(

@@ -113,7 +113,16 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
     a.where = "--full-bf16";
     args["stochastic_rounding"] = a;
   }
-  return plugin.validate(args);
+  HyperParams hp = plugin.validate(args);
+  // Adafactor's relative step replaces lr: a schedule of lr would be silently ignored.
+  const HyperParamSpec* relative = plugin.schema().find("relative_step");
+  if (relative && relative->type == ParamType::Bool && hp.flag("relative_step") &&
+      c.lr_scheduler != "constant" && c.lr_scheduler != "adafactor")
+    throw Error("--lr-scheduler " + c.lr_scheduler + ": " + info.name +
+                " with relative_step=true computes its own step size and would ignore the "
+                "schedule; pass --optimizer-args relative_step=false lr=VALUE to schedule an lr, "
+                "or leave --lr-scheduler constant");
+  return hp;
 }
 
 void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ranks,
@@ -345,7 +354,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       m.lrs = scheduler.lrs();
       m.effective_lrs = scheduler.effective_lrs();
       m.grad_norm = stats.grad_norm;
-      scheduler.step();
+      // A dropped update does not use up the schedule (as accelerate does after a skipped step).
+      if (!stats.skipped) scheduler.step();
       memory::mark_phase("idle");
       if (device.is_cpu()) {
         m.peak_bytes = memory::peak_bytes();
