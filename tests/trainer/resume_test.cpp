@@ -253,3 +253,18 @@ def forward(self, x):
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.err.find("holds no model buffers"), std::string::npos) << r.err;
 }
+
+// A checkpoint written by another version of the plugin resumes with a warning naming both.
+TEST(TrainerResume, AnotherPluginVersionIsNamedInAWarning) {
+  TempDir tmp;
+  const std::string a = tmp.file("a");
+  auto r = run_trainer(with(base_args(a, "sgd", 4), {"--save-every-n-steps", "2"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  fusebox::Checkpoint ckpt = fusebox::load_checkpoint(a + "/" + fusebox::checkpoint_name(2));
+  ckpt.meta["plugin_version"] = "0.0.1-old";
+  const std::string old = tmp.file("old.fbx");
+  fusebox::save_checkpoint(ckpt, old);
+  r = run_trainer(with(base_args(tmp.file("b"), "sgd", 4), {"--resume", old}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("was written by sgd 0.0.1-old, this is "), std::string::npos) << r.err;
+}

@@ -192,6 +192,14 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   // Parameters are restored before the step mode exists, so its hooks see the resumed tensors.
   std::string resumed_from;
   const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin, &resumed_from);
+  if (resumed && resumed->meta.count("plugin_version") &&
+      resumed->meta.at("plugin_version") != plugin.info().version)
+    con.err << ("trainer: warning: --resume: " + resumed_from + " was written by " +
+                plugin.info().name + " " + resumed->meta.at("plugin_version") + ", this is " +
+                plugin.info().version +
+                ": its optimizer state is loaded as is (if the plugin's state changed between "
+                "the versions, resume with the version that wrote it)\n")
+            << std::flush;
   if (resumed && !restore_model(*resumed, *model))
     con.err << ("trainer: warning: --resume: " + resumed_from +
                 " holds no model buffers (written by an older fusebox): the model keeps its "
