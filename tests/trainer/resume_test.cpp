@@ -67,7 +67,10 @@ TEST(TrainerResume, StoppedAndResumedEqualsUninterruptedInEveryMode) {
       {"adamw", {"--fused-optimizer-groups", "3"}, {"--fused-optimizer-groups", "3"}},
       {"adamw", {"--fused-optimizer-groups", "3"}, {"--fused-optimizer-groups", "2"}},
       {"adamw", {"--fused-optimizer-groups", "2"}, {"--fused-backward-pass"}},
-      {"adafactor", {"--fused-backward-pass"}, {}},
+      // With an lr, so the cosine schedule applies (the relative step would refuse it).
+      {"adafactor",
+       {"--fused-backward-pass", "--optimizer-args", "relative_step=false", "lr=0.01"},
+       {"--optimizer-args", "relative_step=false", "lr=0.01"}},
       {"prodigy", {}, {}},  // auto-LR: normal mode only
   };
   int i = 0;
