@@ -380,6 +380,11 @@ void restore_named(const std::map<std::string, at::Tensor>& saved,
     // float32 <-> bf16/fp16 is a change of storage a resume may make (--full-bf16); float64 is a
     // different run, whose float64 optimizer state would meet float32 parameters.
     const at::ScalarType from = it->second.scalar_type(), to = p.scalar_type();
+    if (from != to && (!c10::isFloatingType(from) || !c10::isFloatingType(to)))
+      throw Error("checkpoint " + what + " '" + name + "' is " + c10::toString(from) +
+                  ", this model's is " + c10::toString(to) +
+                  ": an integer tensor and a floating one are not the same state (a checkpoint "
+                  "of another version of the model?)");
     if (from != to && (from == at::kDouble || to == at::kDouble))
       throw Error("checkpoint " + what + " '" + name + "' is " + c10::toString(from) +
                   ", this model's is " + c10::toString(to) + ": resume with --dtype " +

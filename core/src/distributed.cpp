@@ -81,11 +81,21 @@ void broadcast_parameters(Communicator& comm, const std::vector<at::Tensor>& par
   // One call per dtype (a call packs its tensors into one buffer); std::map keeps the order the
   // same on every rank.
   std::map<at::ScalarType, std::vector<at::Tensor>> by_type;
-  for (const auto& p : params) by_type[p.scalar_type()].push_back(p.detach());
+  // Gloo has no bool type: bool tensors (masks) travel as bytes and are copied back.
+  std::vector<std::pair<at::Tensor, at::Tensor>> bools;  // (tensor, its byte copy)
+  for (const auto& p : params) {
+    if (p.scalar_type() == at::kBool) {
+      bools.emplace_back(p.detach(), p.detach().to(at::kByte));
+      by_type[at::kByte].push_back(bools.back().second);
+    } else {
+      by_type[p.scalar_type()].push_back(p.detach());
+    }
+  }
   std::vector<std::unique_ptr<Communicator::Pending>> pending;
   for (auto& [type, tensors] : by_type) pending.push_back(comm.broadcast(tensors, root));
   for (auto& p : pending)
     if (p) p->wait();
+  for (auto& [tensor, bytes] : bools) tensor.copy_(bytes);
 }
 
 std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string& mine) {

@@ -203,7 +203,10 @@ HyperParams validate_hyperparams(const Schema& schema, const std::string& plugin
       std::string got = format_value(arg.value);
       if (const double* d = std::get_if<double>(&arg.value))
         if (spec->type == ParamType::Int && std::isfinite(*d) && *d == std::floor(*d))
-          got += ".0, a float (write it without the decimal point)";  // TOML's 2.0
+          // TOML's 2.0: say it is a float; "2" alone would look like an integer.
+          got += std::string(got.find_first_of(".e") == std::string::npos ? ".0" : "") +
+                 ", a float" +
+                 (std::fabs(*d) < 1e15 ? " (write it without the decimal point)" : "");
       throw Error(prefix + "expected " + type_name(spec->type) +
                   (spec->nullable ? " or none" : "") + ", got " + got);
     }

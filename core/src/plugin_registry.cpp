@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <boost/dll/shared_library.hpp>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -36,10 +37,12 @@ constexpr uint16_t kHostMachine = 0;  // unknown host: let the dynamic loader de
 
 // The descriptor's size in each minor version of API 1 (fields are only ever appended). A field
 // appended in minor N adds an entry here, and is read only from plugins of minor >= N.
+// Each entry is fixed where its version ends, not sizeof(PluginDescriptor), which grows.
 constexpr uint32_t kDescriptorSizes[] = {
-    sizeof(PluginDescriptor),  // 1.0
+    offsetof(PluginDescriptor, create) + sizeof(PluginDescriptor::create),  // 1.0
 };
-static_assert(std::size(kDescriptorSizes) == FUSEBOX_API_MINOR + 1,
+static_assert(std::size(kDescriptorSizes) == FUSEBOX_API_MINOR + 1 &&
+                  kDescriptorSizes[FUSEBOX_API_MINOR] == sizeof(PluginDescriptor),
               "add the new minor version's descriptor size");
 uint32_t descriptor_size(uint16_t api_minor) {
   return kDescriptorSizes[std::min<size_t>(api_minor, std::size(kDescriptorSizes) - 1)];

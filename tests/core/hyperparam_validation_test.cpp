@@ -164,4 +164,8 @@ TEST(HyperparamValidation, AFloatForAnIntegerSaysSo) {
   EXPECT_NE(m.find("expected integer, got 2.0, a float (write it without the decimal point)"),
             std::string::npos)
       << m;
+  a["slice_p"] = UserArg{1e20, "", "run.toml:3:1"};
+  const std::string big = error_of(a);
+  EXPECT_NE(big.find("expected integer, got 1e+20, a float"), std::string::npos) << big;
+  EXPECT_EQ(big.find("1e+20.0"), std::string::npos) << big;
 }

@@ -110,9 +110,10 @@ TEST(TrainerDistributed, ShardedCheckpointResumesWithAnotherWorldSize) {
   EXPECT_TRUE(identical(weights(d, "two"), weights(d, "full")));
 }
 
-// A script model whose forward updates a buffer from its rank's shard of the batch: the ranks
-// use rank 0's buffer (broadcast before each forward), so a job resumed from a checkpoint (which
-// holds rank 0's buffer) continues bit for bit like the uninterrupted one.
+// A script model whose forward replaces a buffer with one computed from its rank's shard of the
+// batch, and has a bool mask: the ranks use rank 0's buffers (broadcast before each forward), so
+// a job resumed from a checkpoint (which holds rank 0's) continues bit for bit like the
+// uninterrupted one.
 TEST(TrainerDistributed, ScriptModelBuffersFollowRankZeroSoAResumeIsExact) {
   if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
   TempDir d;
@@ -120,10 +121,13 @@ TEST(TrainerDistributed, ScriptModelBuffersFollowRankZeroSoAResumeIsExact) {
   torch::manual_seed(0);
   m.register_parameter("w", torch::randn({8, 1}, torch::kFloat64), false);
   m.register_buffer("running", torch::zeros({8}, torch::kFloat64));
+  m.register_buffer("mask", torch::ones({8}, torch::kBool));  // gloo has no bool type
+  // The buffer is assigned a new tensor each forward, not updated in place.
   m.define(R"(
 def forward(self, x):
-    self.running.copy_(0.5 * self.running + 0.5 * x.mean(0).detach())
-    return (((x - self.running).matmul(self.w) - x.sum(1, keepdim=True)) ** 2).mean()
+    self.running = 0.5 * self.running + 0.5 * x.mean(0).detach()
+    xm = torch.where(self.mask, x - self.running, torch.zeros_like(x))
+    return ((xm.matmul(self.w) - x.sum(1, keepdim=True)) ** 2).mean()
 )");
   const std::string script = d.file("net.pt");
   m.save(script);

@@ -100,6 +100,27 @@ TEST(TrainerNonFinite, ARunThatOnlySkipsIsStopped) {
   EXPECT_NE(summary.find("\"steps\":40"), std::string::npos) << summary;
   EXPECT_EQ(summary.find("\"skipped_steps\":0"), std::string::npos) << summary;
 
+  // The streak of skipped steps is carried across a resume: with k steps skipped up to step 5
+  // (every step after the weights blew up), a limit of 6 stops the resumed run at step 11 - k,
+  // where it would have stopped the whole run, not at step 11.
+  auto blowing_up = [&](int steps, const std::string& out) {
+    return "--model mlp --model-width 8 --threads 1 --optimizer sgd --learning-rate 1e6 "
+           "--on-non-finite skip --max-train-steps " +
+           std::to_string(steps) + " --output-dir " + tmp.file(out);
+  };
+  r = run_program(blowing_up(5, "first") + " --max-consecutive-skips 0", tmp.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  const int k = count_lines(r.err);  // one warning per skipped step
+  ASSERT_GE(k, 2) << r.err;
+  r = run_program(blowing_up(40, "resumed") + " --max-consecutive-skips 6 --resume " +
+                      tmp.file("first") + "/" + fusebox::checkpoint_name(5),
+                  tmp.str());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("training failed at step " + std::to_string(11 - k) +
+                       ": the last 6 steps were all skipped"),
+            std::string::npos)
+      << r.err;
+
   r = run_program(base + " --fused-backward-pass", tmp.str());
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("--on-non-finite: skip is possible only in normal mode"), std::string::npos)

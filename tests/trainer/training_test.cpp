@@ -257,6 +257,8 @@ def forward(self, x):
   EXPECT_EQ(ckpt.buffers.at("calls").scalar_type(), at::kLong);
   EXPECT_EQ(ckpt.buffers.at("calls").item<int64_t>(), 303);
   EXPECT_EQ(ckpt.model.count("scale"), 0u) << "an integer parameter is not trained";
+  ASSERT_TRUE(ckpt.buffers.count("scale")) << "but it is state, saved with the buffers";
+  EXPECT_EQ(ckpt.buffers.at("scale").scalar_type(), at::kLong);
 
   r = run_trainer(join(plugin_args("sgd.so"),
                        {"--model-script", script, "--model-width", "8", "--train-batch-size",

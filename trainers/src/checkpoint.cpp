@@ -115,6 +115,7 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.rng["data"] = ctx.data.generator().get_state();
   ckpt.counters["step"] = step;
   ckpt.counters["scheduler_steps"] = ctx.scheduler.step_count();
+  if (ctx.skipped_in_a_row) ckpt.counters["skipped_in_a_row"] = *ctx.skipped_in_a_row;
   ckpt.meta["plugin"] = ctx.plugin.info().name;
   ckpt.meta["plugin_version"] = ctx.plugin.info().version;
   ckpt.meta["mode"] = ctx.mode.name();

@@ -58,6 +58,7 @@ struct CheckpointContext {
   std::shared_ptr<Communicator> comm;  ///< data parallel, or null
   bool leader = true;                  ///< this rank writes the files
   bool sharded = false;                ///< ZeRO-1: the state is gathered from every rank first
+  const int64_t* skipped_in_a_row = nullptr;  ///< saved as a counter when given
 };
 
 /// True when a checkpoint is saved after `step` steps: every --save-every-n-steps, and when

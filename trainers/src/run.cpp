@@ -192,7 +192,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   // Parameters are restored before the step mode exists, so its hooks see the resumed tensors.
   std::string resumed_from;
   const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin, &resumed_from);
-  if (resumed && resumed->meta.count("plugin_version") &&
+  if (resumed && dist.leader() && resumed->meta.count("plugin_version") &&
       resumed->meta.at("plugin_version") != plugin.info().version)
     con.err << ("trainer: warning: --resume: " + resumed_from + " was written by " +
                 plugin.info().name + " " + resumed->meta.at("plugin_version") + ", this is " +
@@ -215,9 +215,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   // A model's buffers (running statistics that forward updates) follow rank 0's, broadcast before
   // every forward as PyTorch's DistributedDataParallel does: the ranks stay alike, and a resumed
   // run (whose checkpoint holds rank 0's buffers) continues exactly.
-  std::vector<at::Tensor> shared_buffers;
-  if (dist.comm)
-    for (const auto& [name, t] : model->buffers()) shared_buffers.push_back(t);
+  // They are looked up before each forward: a script that assigns a new tensor to a buffer
+  // (self.running = ...) replaces the one a list made once would hold.
+  const bool share_buffers = dist.comm && !model->buffers().empty();
 
   StepOptions so;
   so.max_grad_norm = c.max_grad_norm;
@@ -255,9 +255,22 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   if (first_step >= c.max_train_steps)
     throw Error("--resume: the checkpoint is at step " + std::to_string(first_step) +
                 ", --max-train-steps is " + std::to_string(c.max_train_steps) + ": nothing to do");
-  const CheckpointContext ckpt_ctx{c,         plugin,        *model,
-                                   *mode,     scheduler,     *data,
-                                   dist.comm, dist.leader(), so.shard_optimizer_state};
+  // --on-non-finite skip: the current run of skipped steps, carried across a resume so that
+  // --max-consecutive-skips stops a resumed run where it would have stopped the whole one.
+  int64_t skipped_in_a_row = 0;
+  if (resumed)
+    if (auto it = resumed->counters.find("skipped_in_a_row"); it != resumed->counters.end())
+      skipped_in_a_row = std::max<int64_t>(0, it->second);
+  const CheckpointContext ckpt_ctx{c,
+                                   plugin,
+                                   *model,
+                                   *mode,
+                                   scheduler,
+                                   *data,
+                                   dist.comm,
+                                   dist.leader(),
+                                   so.shard_optimizer_state,
+                                   &skipped_in_a_row};
 
   RunSummary summary;
   summary.name = c.name;
@@ -301,7 +314,6 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   const Clock::time_point start = Clock::now();
   bool first = true;
   int64_t step = first_step;
-  int64_t skipped_in_a_row = 0;
   try {
     for (step = first_step + 1; step <= c.max_train_steps; ++step) {
       const Clock::time_point t0 = Clock::now();
@@ -311,7 +323,11 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
         Batch batch =
             to_device(shard(data->next(), dist.config.rank, world), device, dtype, loss_dtype);
-        if (!shared_buffers.empty()) broadcast_parameters(*dist.comm, shared_buffers, 0);
+        if (share_buffers) {
+          std::vector<at::Tensor> buffers;
+          for (const auto& [name, t] : model->buffers()) buffers.push_back(t);
+          broadcast_parameters(*dist.comm, buffers, 0);
+        }
         memory::mark_phase("forward");
         at::Tensor loss;
         {
@@ -400,7 +416,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   progress.finish();
   summary.wall_seconds = seconds_since(start);
-  const memory::Breakdown acct = memory::account(*mode, summary.peak_bytes);
+  memory::Breakdown acct;
+  try {
+    acct = memory::account(*mode, summary.peak_bytes);  // reads the optimizers' state
+  } catch (const std::exception& e) {
+    throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") + first_line(e.what()));
+  }
   summary.memory_breakdown = memory::describe(acct, mode->name());
   summary.weights_bytes = acct.weights, summary.state_bytes = acct.state;
   summary.grads_alive_bytes = acct.grads_alive;

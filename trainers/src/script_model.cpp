@@ -40,6 +40,10 @@ class ScriptModel : public Model {
     std::vector<std::pair<std::string, at::Tensor>> named;
     for (const auto& b : m_.named_buffers(/*recurse=*/true))
       if (b.value.defined()) named.emplace_back(b.name, b.value);
+    // Integer parameters are not trained but are state all the same (a counter): saved, restored
+    // and shared like buffers.
+    for (const auto& p : m_.named_parameters(/*recurse=*/true))
+      if (p.value.defined() && !p.value.is_floating_point()) named.emplace_back(p.name, p.value);
     return named;
   }
 

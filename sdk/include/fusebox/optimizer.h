@@ -75,8 +75,7 @@ class FUSEBOX_VISIBLE Optimizer {
     at::NoGradGuard no_grad;
     for (size_t g = 0; g < groups_.size(); ++g)
       for (size_t i = 0; i < groups_[g].params.size(); ++i)
-        if (groups_[g].params[i].grad().defined())
-          update_param(groups_[g].params[i], states_[g][i], g);
+        if (groups_[g].params[i].grad().defined()) updated(g, i);
     finish_step();
   }
 
@@ -85,7 +84,7 @@ class FUSEBOX_VISIBLE Optimizer {
     Slot s = locate(param);
     if (!param.grad().defined()) return;
     at::NoGradGuard no_grad;
-    update_param(groups_[s.group].params[s.index], states_[s.group][s.index], s.group);
+    updated(s.group, s.index);
   }
 
   /// Runs after the last parameter of a step (for algorithms with a phase after all updates).
@@ -132,11 +131,7 @@ class FUSEBOX_VISIBLE Optimizer {
         const std::string& name = groups_[g].names[i];
         out[name + "/step"] = scalar_tensor_(static_cast<double>(st.step));
         for (const auto& kv : st.tensors) {
-          if (kv.first == "step")
-            throw Error(
-                "optimizer state of parameter '" + name +
-                "': the tensor key 'step' is reserved for the step count (ParamState::step, "
-                "saved as <param>/step); give the tensor another name");
+          if (kv.first == "step") throw reserved_step_key_(name);
           if (kv.second.defined()) out[name + "/" + kv.first] = kv.second;
         }
       }
@@ -205,6 +200,18 @@ class FUSEBOX_VISIBLE Optimizer {
   struct Slot {
     size_t group, index;
   };
+  // update_param on parameter i of group g; a state tensor under the step count's key is refused
+  // at the first step, not when a checkpoint is written hours later.
+  void updated(size_t g, size_t i) {
+    ParamState& st = states_[g][i];
+    update_param(groups_[g].params[i], st, g);
+    if (st.tensors.count("step")) throw reserved_step_key_(groups_[g].names[i]);
+  }
+  static Error reserved_step_key_(const std::string& name) {
+    return Error("optimizer state of parameter '" + name +
+                 "': the tensor key 'step' is reserved for the step count (ParamState::step, "
+                 "saved as <param>/step); give the tensor another name");
+  }
   Slot locate(const at::Tensor& param) const {
     auto it = slots_.find(param.unsafeGetTensorImpl());
     if (it == slots_.end()) throw Error("step_param: tensor is not a parameter of this optimizer");
