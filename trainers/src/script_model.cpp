@@ -1,4 +1,5 @@
 // A TorchScript module as a model: forward(batch) returns the scalar loss.
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/script.h>
 
 #include <sstream>
@@ -83,6 +84,10 @@ class ScriptModel : public Model {
 
 std::unique_ptr<Model> load_script_model(const std::string& path, c10::Device device,
                                          c10::ScalarType dtype) {
+  // The graph executor re-optimizes a script after its first calls, and the optimized graph may
+  // round differently: a resumed run would then differ from an uninterrupted one at the same
+  // step. Running every call unoptimized keeps results independent of the call count.
+  torch::jit::setGraphExecutorOptimize(false);
   torch::jit::Module m;
   try {
     m = torch::jit::load(path, device);
