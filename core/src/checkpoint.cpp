@@ -145,6 +145,25 @@ std::string read_all(const fs::path& path, const std::string& what) {
 
 }  // namespace
 
+namespace {
+
+// Writes all of `bytes` to `fd` and fsyncs it. Returns nullptr, or the call that failed
+// ("write", "fsync") with errno set by it.
+const char* write_and_sync(int fd, const std::string& bytes) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return "write";
+    }
+    done += static_cast<size_t>(n);
+  }
+  return ::fsync(fd) == 0 ? nullptr : "fsync";
+}
+
+}  // namespace
+
 void append_to_file(const fs::path& path, const std::string& bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
@@ -162,16 +181,7 @@ void append_to_file(const fs::path& path, const std::string& bytes) {
     throw Error("cannot write " + path.string() + ": " + what + " failed (" + reason +
                 "); check that the folder is writable and has space");
   };
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail("write");
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) fail("fsync");
+  if (const char* failed = write_and_sync(fd, bytes)) fail(failed);
   if (::close(fd) != 0) {
     const std::string reason = std::strerror(errno);
     throw Error("cannot write " + path.string() + ": close failed (" + reason + ")");
@@ -192,19 +202,11 @@ void write_file_atomically(const fs::path& path, const std::string& bytes) {
     throw Error("cannot write " + path.string() + ": cannot create a file in " + dir.string() +
                 " (" + reason + "); check that the folder exists and is writable");
   }
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      ::close(fd);
-      fail("write");
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
+  if (const char* failed = write_and_sync(fd, bytes)) {
+    const int error = errno;  // close may change it
     ::close(fd);
-    fail("fsync");
+    errno = error;
+    fail(failed);
   }
   if (::close(fd) != 0) fail("close");
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename");

@@ -78,7 +78,6 @@ double mean_over_ranks(double value, const Distributed& dist) {
   return t.item<double>() / dist.config.world_size;
 }
 
-// The first line of an exception message (LibTorch appends backtraces on later lines).
 std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
 
 }  // namespace
@@ -149,6 +148,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                         Console& con, const Distributed& dist) {
   // ---- set-up: errors here are configuration problems
   const int world = dist.config.world_size;
+  // The start of a failure's message: which run failed (with several [[runs]]).
+  const std::string failed_in = c.name.empty() ? "" : "run '" + c.name + "': ";
   if (c.shard_optimizer_state && world == 1)
     con.err << "trainer: warning: --shard-optimizer-state has no effect in a single process\n";
   // Ranks on one machine share its cores unless --threads / --blas-threads say otherwise.
@@ -404,14 +405,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     }
   } catch (const std::exception& e) {
     progress.finish();
-    throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") +
-                         "training failed at step " + std::to_string(step) + ": " +
+    throw TrainingFailed(failed_in + "training failed at step " + std::to_string(step) + ": " +
                          first_line(e.what()));
   } catch (...) {
     progress.finish();
-    throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") +
-                         "training failed at step " + std::to_string(step) + ": the optimizer " +
-                         plugin.info().name +
+    throw TrainingFailed(failed_in + "training failed at step " + std::to_string(step) +
+                         ": the optimizer " + plugin.info().name +
                          " threw a value that is not a std::exception (a bug in the plugin)");
   }
   progress.finish();
@@ -420,7 +419,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   try {
     acct = memory::account(*mode, summary.peak_bytes);  // reads the optimizers' state
   } catch (const std::exception& e) {
-    throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") + first_line(e.what()));
+    throw TrainingFailed(failed_in + first_line(e.what()));
   }
   summary.memory_breakdown = memory::describe(acct, mode->name());
   summary.weights_bytes = acct.weights, summary.state_bytes = acct.state;
@@ -430,7 +429,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     try {
       model->save(*c.save_model);
     } catch (const std::exception& e) {
-      throw TrainingFailed((c.name.empty() ? "" : "run '" + c.name + "': ") + first_line(e.what()) +
+      throw TrainingFailed(failed_in + first_line(e.what()) +
                            (c.output_dir.empty()
                                 ? std::string()
                                 : " (the weights are in the checkpoint in " + c.output_dir + ")"));
