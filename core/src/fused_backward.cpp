@@ -54,6 +54,11 @@ std::unique_ptr<StepMode> make_fused_backward(std::shared_ptr<Optimizer> optimiz
         "the fused backward pass cannot skip a step on non-finite gradients: parameters "
         "are already updated when a later gradient turns out non-finite; use the stop "
         "policy");
+  if (detail::dynamic_scaling(options))
+    throw Error(
+        "the fused backward pass cannot use a dynamic loss scale: it skips an iteration whose "
+        "gradients overflowed, after seeing all of them, when the fused pass has already applied "
+        "the earlier ones; use a fixed scale (an overflow is then a non-finite gradient)");
   return std::make_unique<FusedBackward>(std::move(optimizer), std::move(options));
 }
 

@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "fusebox/core/loss_scaler.h"
+
 #include "step_mode_common.h"
 
 namespace fusebox::detail {
@@ -58,6 +60,8 @@ void HookedStep::drain(bool wait) {
 
 void HookedStep::process(size_t i) {
   const at::Tensor& param = params_[i];
+  // A fixed loss scale (dynamic ones are refused in these modes): unscale before anything else.
+  if (const double unscale = unscale_factor(options_); unscale != 0) param.grad().mul_(unscale);
   if (!(options_.check_finite || options_.max_grad_norm > 0 || options_.track_grad_norm))
     return on_gradient(i);
   // One reduction serves the non-finite check, clipping and the statistics.
@@ -68,7 +72,8 @@ void HookedStep::process(size_t i) {
     if (options_.check_finite && !norm_says_finite(param, n))
       throw NonFiniteError("non-finite gradient in parameter '" + names_[i] +
                            "' during the fused backward pass; it was not updated (parameters "
-                           "updated earlier in this pass hold finite values)");
+                           "updated earlier in this pass hold finite values)" +
+                           scale_hint(options_));
     if (options_.max_grad_norm > 0) clip_by_norm_(param, n, options_.max_grad_norm);
     host_sum_sq_ += n * n;
   } else {
@@ -106,13 +111,14 @@ void HookedStep::deferred_check() {
                        params_[0].device().str() +
                        " the check runs once, at the end of the backward pass: parameters "
                        "updated in this pass may hold non-finite values; resume from the last "
-                       "checkpoint)");
+                       "checkpoint)" +
+                       scale_hint(options_));
 }
 
 void HookedStep::backward(const at::Tensor& loss) {
   error_ = nullptr;
   try {
-    loss.backward();
+    scaled_loss(loss, options_).backward();
   } catch (...) {
     std::exception_ptr original = error_ ? error_ : std::current_exception();
     error_ = nullptr;
@@ -145,6 +151,7 @@ void HookedStep::abandon_iteration() {
 
 StepStats HookedStep::finish_iteration() {
   StepStats stats;
+  if (options_.loss_scaler) stats.loss_scale = options_.loss_scaler->scale();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (fired_[i]) {
       ++stats.params_stepped;

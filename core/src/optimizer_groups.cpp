@@ -213,6 +213,11 @@ std::unique_ptr<StepMode> make_optimizer_groups(const std::vector<ParamGroup>& g
     throw Error(
         "optimizer groups cannot skip a step on non-finite gradients: earlier groups are "
         "already updated when a later gradient turns out non-finite; use the stop policy");
+  if (detail::dynamic_scaling(options))
+    throw Error(
+        "optimizer groups cannot use a dynamic loss scale: it skips an iteration whose "
+        "gradients overflowed, after seeing all of them, when earlier groups are already "
+        "updated; use a fixed scale (an overflow is then a non-finite gradient)");
   size_t tensors = 0;
   for (const auto& g : groups) tensors += g.params.size();
   if (n >= 1 && static_cast<size_t>(n) > tensors && tensors > 0)

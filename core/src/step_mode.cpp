@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <iostream>
+
+#include "fusebox/core/loss_scaler.h"
 
 #include "step_mode_common.h"
 
@@ -23,6 +26,26 @@ at::Tensor clip_grad_norm_one(const at::Tensor& param, double max_norm) {
 }
 
 namespace detail {
+
+at::Tensor scaled_loss(const at::Tensor& loss, const StepOptions& o) {
+  if (!o.loss_scaler || o.loss_scaler->scale() == 1) return loss;
+  return loss * o.loss_scaler->scale();
+}
+
+double unscale_factor(const StepOptions& o) {
+  if (!o.loss_scaler || o.loss_scaler->scale() == 1) return 0;
+  return 1.0 / o.loss_scaler->scale();
+}
+
+bool dynamic_scaling(const StepOptions& o) { return o.loss_scaler && o.loss_scaler->dynamic(); }
+
+std::string scale_hint(const StepOptions& o) {
+  if (!o.loss_scaler || o.loss_scaler->scale() == 1) return "";
+  char buf[96];
+  std::snprintf(buf, sizeof buf, " (the loss was scaled by %g; a smaller scale may avoid it)",
+                o.loss_scaler->scale());
+  return buf;
+}
 
 std::function<void(const std::string&)> warner(const StepOptions& o) {
   if (o.warn) return o.warn;
@@ -135,11 +158,11 @@ class NormalStep final : public StepMode {
   }
 
   void backward(const at::Tensor& loss) override {
-    if (!reducer_.active()) return loss.backward();
+    if (!reducer_.active()) return detail::scaled_loss(loss, options_).backward();
     // With gradient accumulation every micro-batch is averaged: avg(avg(g1) + g2) equals
     // avg(g1) + avg(g2) because avg(g1) is the same on every rank.
     try {
-      loss.backward();
+      detail::scaled_loss(loss, options_).backward();
       reducer_.launch();
       reducer_.completed(/*wait=*/true);
     } catch (...) {
@@ -154,18 +177,24 @@ class NormalStep final : public StepMode {
     StepStats stats;
     Optimizer& opt = *optimizers_[0];
     if (options_.track_grad_bytes) stats.peak_grad_bytes = detail::live_grad_bytes(params_);
+    LossScaler* scaler = options_.loss_scaler.get();
+    if (scaler) stats.loss_scale = scaler->scale();
+    const double unscale = detail::unscale_factor(options_);
+    // A dynamic scale must see every gradient: an overflow anywhere skips the whole iteration.
+    const bool check = options_.check_finite || detail::dynamic_scaling(options_);
     // One norm per gradient serves the non-finite check, clipping and the statistics.
     std::vector<size_t> with_grad;
     std::vector<at::Tensor> norms;
-    const bool want_norms =
-        options_.check_finite || options_.max_grad_norm > 0 || options_.track_grad_norm;
+    const bool want_norms = check || options_.max_grad_norm > 0 || options_.track_grad_norm;
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!params_[i].grad().defined()) continue;
       with_grad.push_back(i);
+      if (unscale != 0) params_[i].grad().mul_(unscale);
       if (want_norms) norms.push_back(detail::grad_norm(params_[i].grad()));
     }
     if (norms.empty()) {
       update(opt);
+      if (scaler) scaler->update(false);
       stats.params_stepped = static_cast<int64_t>(with_grad.size());
       return stats;
     }
@@ -173,10 +202,25 @@ class NormalStep final : public StepMode {
     at::Tensor total = all.norm();
     // A non-finite value always makes its norm non-finite: one sync for the common case; the
     // per-tensor look (which also clears fp16 norms that merely overflowed) only on suspicion.
-    if (options_.check_finite && !at::isfinite(all).all().item<bool>()) {
+    if (check && !at::isfinite(all).all().item<bool>()) {
       for (size_t k = 0; k < with_grad.size(); ++k) {
         const size_t i = with_grad[k];
         if (detail::norm_says_finite(params_[i], norms[k])) continue;
+        if (detail::dynamic_scaling(options_)) {
+          // An overflow of the scaled gradients: skip the iteration and lower the scale.
+          opt.zero_grad(true);
+          stats.skipped = stats.overflow = true;
+          if (!scaler->update(true)) {
+            char buf[160];
+            std::snprintf(buf, sizeof buf,
+                          "' is not finite at any loss scale: it overflowed at scale %g, and a "
+                          "lower one would be below the minimum %g",
+                          scaler->scale(), scaler->options().min_scale);
+            throw NonFiniteError("the gradient of parameter '" + names_[i] + buf +
+                                 "; no parameter was updated in this iteration");
+          }
+          return stats;
+        }
         if (options_.non_finite == NonFinitePolicy::Skip) {
           detail::warner(options_)("non-finite gradient in parameter '" + names_[i] +
                                    "': this iteration's update was skipped");
@@ -186,7 +230,8 @@ class NormalStep final : public StepMode {
         }
         opt.zero_grad(true);  // a caller that goes on must not add to these gradients
         throw NonFiniteError("non-finite gradient in parameter '" + names_[i] +
-                             "'; no parameter was updated in this iteration");
+                             "'; no parameter was updated in this iteration" +
+                             detail::scale_hint(options_));
       }
     }
     if (options_.max_grad_norm > 0) {
@@ -202,6 +247,7 @@ class NormalStep final : public StepMode {
     stats.grad_norm = total.item<double>();
     stats.params_stepped = static_cast<int64_t>(with_grad.size());
     update(opt);
+    if (scaler) scaler->update(false);
     return stats;
   }
 

@@ -29,6 +29,14 @@ inline std::exception_ptr as_std_exception(std::exception_ptr e) {
   }
 }
 
+/// `loss` times the loss scale of `o`; `loss` itself without a scaler or at scale 1.
+at::Tensor scaled_loss(const at::Tensor& loss, const StepOptions& o);
+/// The factor that unscales gradients (1 / scale), or 0 when they need none.
+double unscale_factor(const StepOptions& o);
+/// True when `o` has a dynamic loss scaler (which needs every gradient checked).
+bool dynamic_scaling(const StepOptions& o);
+/// For non-finite messages: " (the gradients were scaled by S ...)" when a scaler is set.
+std::string scale_hint(const StepOptions& o);
 /// The warning sink of `o` (stderr when unset).
 std::function<void(const std::string&)> warner(const StepOptions& o);
 /// The L2 norm of `grad` as a 0-d tensor on its device. Every mode takes its norms from here, so

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <set>
 
+#include "fusebox/core/loss_scaler.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
@@ -36,6 +37,7 @@ struct ModeRun {
   SplitPolicy policy = SplitPolicy::Size;
   double max_grad_norm = 0;
   bool clip_per_tensor = false;
+  double fixed_loss_scale = 0;  // > 0: a fixed loss scale
 };
 
 struct Result {
@@ -55,6 +57,12 @@ Result train(const LoadedPlugin& plugin, const TinyLm& init, const ModeRun& run,
   o.max_grad_norm = run.max_grad_norm;
   o.clip_per_tensor = run.clip_per_tensor;
   o.track_grad_bytes = track_bytes;
+  if (run.fixed_loss_scale > 0) {
+    LossScaleOptions ls;
+    ls.scale = run.fixed_loss_scale;
+    ls.dynamic = false;
+    o.loss_scaler = std::make_shared<LossScaler>(ls);
+  }
   o.warn = [&r](const std::string& m) { r.warnings.push_back(m); };
   std::unique_ptr<StepMode> mode;
   if (run.mode == "normal")
@@ -486,5 +494,203 @@ TEST(LrScheduler, ShapesMatchTheirDefinitions) {
                                          "1e-08"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// A power-of-two loss scale changes no bit of a gradient once it is divided out again (backward
+// is linear in the loss's gradient), so a scaled run equals an unscaled one in every mode, in
+// float32 as in float64, with and without clipping.
+TEST(LossScaling, AFixedPowerOfTwoScaleChangesNoBitInAnyMode) {
+  for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const TinyLm init(dtype);
+    for (const auto& plugin : step_param_plugins()) {
+      SCOPED_TRACE(plugin->info().name + (dtype == at::kFloat ? " float32" : " float64"));
+      for (double clip : {0.0, 0.05}) {
+        ModeRun plain{"normal"};
+        plain.max_grad_norm = clip;
+        plain.clip_per_tensor = true;
+        const Result unscaled = train(*plugin, init, plain);
+        ModeRun normal = plain, fused{"fused"}, groups{"groups", 3};
+        fused.max_grad_norm = groups.max_grad_norm = clip;
+        for (ModeRun* run : {&normal, &fused, &groups}) {
+          run->fixed_loss_scale = 1024;
+          const Result scaled = train(*plugin, init, *run);
+          expect_identical(unscaled, scaled, run->mode + " scaled by 1024");
+          EXPECT_EQ(scaled.stats[0].loss_scale, 1024);
+          // The statistic is of the unscaled gradients (modes sum the norms in other orders).
+          EXPECT_NEAR(scaled.stats[0].grad_norm, unscaled.stats[0].grad_norm,
+                      1e-6 * unscaled.stats[0].grad_norm)
+              << run->mode;
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+// One float parameter whose gradient is 1e30 per element: at a scale of 2^28 the scaled
+// gradient (2.7e38) is still a float, at 2^29 it overflows.
+struct BigGradient {
+  at::Tensor w = at::ones({2}, at::kFloat).requires_grad_(true);
+  ParamGroup group() const {
+    ParamGroup g;
+    g.params = {w};
+    g.names = {"w"};
+    return g;
+  }
+  at::Tensor loss() const { return (w * 1e30f).sum(); }
+};
+
+std::shared_ptr<LossScaler> dynamic_scaler(double scale, int64_t growth_interval,
+                                           double min_scale = 1.0 / 65536) {
+  LossScaleOptions o;
+  o.scale = scale;
+  o.growth_interval = growth_interval;
+  o.min_scale = min_scale;
+  return std::make_shared<LossScaler>(o);
+}
+
+}  // namespace
+
+TEST(LossScaling, ADynamicScaleSkipsOverflowedIterationsAndBacksOffThenGrows) {
+  auto plugin = registry().load_file("sgd.so");
+  BigGradient m;
+  StepOptions o;
+  o.loss_scaler = dynamic_scaler(std::ldexp(1.0, 30), /*growth_interval=*/2);
+  const UserArgs lr{{"lr", UserArg{std::monostate{}, "1e-30", "test"}}};
+  auto mode = make_normal_step(plugin->create({m.group()}, plugin->validate(lr)), o);
+  std::vector<StepStats> stats;
+  std::vector<at::Tensor> w;
+  for (int i = 0; i < 6; ++i) {
+    mode->backward(m.loss());
+    stats.push_back(mode->step());
+    w.push_back(m.w.detach().clone());
+    EXPECT_FALSE(m.w.grad().defined()) << "iteration " << i;
+  }
+  // 2^30 and 2^29 overflow, 2^28 steps twice, grows to 2^29 (overflow), back to 2^28.
+  const std::vector<int> expect_overflow{1, 1, 0, 0, 1, 0};
+  const std::vector<int> expect_log2_scale{30, 29, 28, 28, 29, 28};
+  for (size_t i = 0; i < stats.size(); ++i) {
+    SCOPED_TRACE("iteration " + std::to_string(i));
+    EXPECT_EQ(stats[i].overflow, expect_overflow[i] == 1);
+    EXPECT_EQ(stats[i].skipped, expect_overflow[i] == 1);
+    EXPECT_EQ(stats[i].loss_scale, std::ldexp(1.0, expect_log2_scale[i]));
+  }
+  // Skipped iterations change nothing; each good one is one plain SGD step (w -= 1e-30 * 1e30).
+  EXPECT_TRUE(at::equal(w[0], at::ones({2}, at::kFloat)));
+  EXPECT_TRUE(at::equal(w[1], at::ones({2}, at::kFloat)));
+  EXPECT_TRUE(at::allclose(w[2], at::zeros({2}, at::kFloat), 0, 1e-6));
+  EXPECT_TRUE(at::allclose(w[3], at::full({2}, -1.0f), 0, 1e-6));
+  EXPECT_TRUE(at::equal(w[4], w[3]));
+  EXPECT_TRUE(at::allclose(w[5], at::full({2}, -2.0f), 0, 1e-6));
+  EXPECT_EQ(o.loss_scaler->scale(), std::ldexp(1.0, 28));
+  EXPECT_EQ(o.loss_scaler->good_steps(), 1);
+}
+
+TEST(LossScaling, GradientsNotFiniteAtAnyScaleStopTheRun) {
+  auto plugin = registry().load_file("sgd.so");
+  BigGradient m;
+  StepOptions o;
+  o.loss_scaler = dynamic_scaler(4, 2000, /*min_scale=*/1);
+  auto mode = make_normal_step(plugin->create({m.group()}, plugin->validate({})), o);
+  for (int i = 0; i < 2; ++i) {  // 4 -> 2 -> 1
+    mode->backward((m.w * NAN).sum());
+    EXPECT_TRUE(mode->step().overflow);
+  }
+  mode->backward((m.w * NAN).sum());
+  try {
+    mode->step();
+    FAIL() << "expected NonFiniteError";
+  } catch (const NonFiniteError& e) {
+    EXPECT_NE(std::string(e.what()).find("'w' is not finite at any loss scale"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(o.loss_scaler->scale(), 1);
+  EXPECT_TRUE(at::equal(m.w, at::ones({2}, at::kFloat)));
+  EXPECT_FALSE(m.w.grad().defined());
+}
+
+TEST(LossScaling, FusedAndGroupsTakeOnlyAFixedScaleAndStopOnItsOverflow) {
+  auto plugin = registry().load_file("sgd.so");
+  BigGradient m;
+  StepOptions dynamic;
+  dynamic.loss_scaler = dynamic_scaler(65536, 2000);
+  const HyperParams hp = plugin->validate({});
+  auto make = [&](std::vector<ParamGroup> g) { return plugin->create(std::move(g), hp); };
+  EXPECT_THROW(make_fused_backward(plugin->create({m.group()}, hp), dynamic), Error);
+  EXPECT_THROW(make_optimizer_groups({m.group()}, 1, SplitPolicy::Size, make, dynamic), Error);
+  StepOptions fixed;
+  LossScaleOptions ls;
+  ls.scale = std::ldexp(1.0, 30);
+  ls.dynamic = false;
+  fixed.loss_scaler = std::make_shared<LossScaler>(ls);
+  for (std::string mode_name : {"normal", "fused", "groups"}) {
+    std::unique_ptr<StepMode> mode =
+        mode_name == "normal" ? make_normal_step(plugin->create({m.group()}, hp), fixed)
+        : mode_name == "fused"
+            ? make_fused_backward(plugin->create({m.group()}, hp), fixed)
+            : make_optimizer_groups({m.group()}, 1, SplitPolicy::Size, make, fixed);
+    try {
+      mode->backward(m.loss());
+      mode->step();
+      FAIL() << mode_name << ": expected NonFiniteError";
+    } catch (const NonFiniteError& e) {
+      EXPECT_NE(std::string(e.what()).find("scaled by 1.07374e+09"), std::string::npos)
+          << mode_name << ": " << e.what();
+    }
+    EXPECT_TRUE(at::equal(m.w, at::ones({2}, at::kFloat))) << mode_name;
+    EXPECT_EQ(fixed.loss_scaler->scale(), ls.scale) << mode_name;
+  }
+}
+
+TEST(LossScaler, FollowsTheDynamicRuleAndRefusesImpossibleSettings) {
+  LossScaleOptions o;
+  o.scale = 8;
+  o.growth_interval = 2;
+  o.min_scale = 2;
+  LossScaler s(o);
+  EXPECT_TRUE(s.update(false));
+  EXPECT_EQ(s.scale(), 8);
+  EXPECT_EQ(s.good_steps(), 1);
+  EXPECT_TRUE(s.update(false));
+  EXPECT_EQ(s.scale(), 16);
+  EXPECT_EQ(s.good_steps(), 0);
+  EXPECT_TRUE(s.update(false));
+  EXPECT_TRUE(s.update(true));  // an overflow also restarts the count towards growth
+  EXPECT_EQ(s.scale(), 8);
+  EXPECT_EQ(s.good_steps(), 0);
+  EXPECT_TRUE(s.update(true));
+  EXPECT_TRUE(s.update(true));
+  EXPECT_EQ(s.scale(), 2);
+  EXPECT_FALSE(s.update(true));  // 1 would be below the minimum: refused, nothing changes
+  EXPECT_EQ(s.scale(), 2);
+
+  s.restore(1024, 5);  // from a run with a longer growth interval: grows at the next good step
+  EXPECT_EQ(s.scale(), 1024);
+  EXPECT_EQ(s.good_steps(), 1);
+  EXPECT_TRUE(s.update(false));
+  EXPECT_EQ(s.scale(), 2048);
+  EXPECT_THROW(s.restore(NAN, 0), Error);
+  EXPECT_THROW(s.restore(0, 0), Error);
+  EXPECT_THROW(s.restore(8, -1), Error);
+
+  LossScaleOptions fixed;
+  fixed.dynamic = false;
+  fixed.scale = 128;
+  LossScaler f(fixed);
+  EXPECT_TRUE(f.update(true));
+  f.restore(4, 0);  // a fixed scale is the configured one
+  EXPECT_EQ(f.scale(), 128);
+
+  for (auto bad :
+       {std::make_pair("scale", -1.0), std::make_pair("scale", 1e39), std::make_pair("growth", 1.0),
+        std::make_pair("backoff", 1.0), std::make_pair("interval", 0.0)}) {
+    LossScaleOptions b;
+    if (std::string(bad.first) == "scale") b.scale = bad.second;
+    if (std::string(bad.first) == "growth") b.growth_factor = bad.second;
+    if (std::string(bad.first) == "backoff") b.backoff_factor = bad.second;
+    if (std::string(bad.first) == "interval") b.growth_interval = 0;
+    EXPECT_THROW(LossScaler{b}, Error) << bad.first;
   }
 }

@@ -28,6 +28,7 @@
 namespace fusebox {
 
 class Communicator;
+class LossScaler;
 
 /// What to do when a gradient is NaN or infinite.
 enum class NonFinitePolicy {
@@ -56,6 +57,11 @@ struct StepOptions {
   /// share of the parameters (parameter_owners), then sends them to the other ranks. Results are
   /// the same as unsharded. Not for auto-LR optimizers (their step size needs every parameter).
   bool shard_optimizer_state = false;
+  /// Loss scaling (fusebox/core/loss_scaler.h), e.g. for fp16: backward() multiplies the loss by
+  /// the current scale and every gradient is divided by it before any check, clip or step. A
+  /// dynamic scaler (normal mode only) is updated by step(): an overflow skips the iteration
+  /// (StepStats::overflow) whatever the NonFinitePolicy. Null: no scaling.
+  std::shared_ptr<LossScaler> loss_scaler;
 };
 
 /// Thrown when a gradient is not finite and the policy is Stop.
@@ -68,7 +74,9 @@ class FUSEBOX_VISIBLE NonFiniteError : public Error {
 struct StepStats {
   double grad_norm = -1;         ///< global L2 norm of the gradients before clipping; -1 unknown
   int64_t params_stepped = 0;    ///< tensors updated this iteration
-  bool skipped = false;          ///< the update was dropped (NonFinitePolicy::Skip)
+  bool skipped = false;          ///< the update was dropped (NonFinitePolicy::Skip, or overflow)
+  bool overflow = false;         ///< dynamic loss scaling: gradients overflowed, scale lowered
+  double loss_scale = 0;         ///< the scale this iteration's loss was multiplied by; 0: none
   int64_t peak_grad_bytes = -1;  ///< peak live gradient bytes (track_grad_bytes only)
 };
 
