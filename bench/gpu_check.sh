@@ -168,9 +168,9 @@ FUSEBOX_TEST_DEVICE=cuda part "plugin tests on cuda" 90 "$BUILD/bin/plugin_tests
   --gtest_filter='CudaMath.*:*ReferenceTrajectory.*:StepParam.EqualsStepBitForBit:StateDict.SaveLoadContinuesBitForBit' \
   --gtest_output="xml:$OUT_DIR/plugin_tests_cuda.xml"
 # Step modes on CUDA: fused and groups equal normal bit for bit, clipping, grad norms (half and
-# bfloat16 too); the training device each local rank selects.
+# bfloat16 too); loss scaling; the training device each local rank selects.
 FUSEBOX_TEST_DEVICE=cuda part "step-mode tests on cuda" 90 "$BUILD/bin/core_tests" \
-  --gtest_filter='StepModes.FusedAndGroupsEqualNormal*:StepModes.WithClipping*:StepModes.GradNorm*:StepModes.UnusedParameter*:StepModes.HalfAndBFloat16*:Device.*' \
+  --gtest_filter='StepModes.FusedAndGroupsEqualNormal*:StepModes.WithClipping*:StepModes.GradNorm*:StepModes.UnusedParameter*:StepModes.HalfAndBFloat16*:LossScaling.*:Device.*' \
   --gtest_output="xml:$OUT_DIR/core_tests_cuda.xml"
 # The whole plugin suite on the CPU of the CUDA build.
 part "plugin tests on cpu" 60 "$BUILD/bin/plugin_tests" --gtest_output="xml:$OUT_DIR/plugin_tests_cpu.xml"
@@ -189,6 +189,8 @@ train adamw_normal --optimizer adamw
 train adamw_fused --optimizer adamw --fused-backward-pass
 train adamw_groups --optimizer adamw --fused-optimizer-groups 4
 train adafactor_fused --optimizer-plugin adafactor_fused.so --fused-backward-pass
+# fp16 autocast with the dynamic loss scale (CUDA only: LibTorch 1.13 has no fp16 CPU autocast).
+train adamw_fp16 --optimizer adamw --mixed-precision fp16
 
 # ---- 5. Memory benchmark on the GPU: peak allocated and time per step, every mode ---------------
 PART_LOG="$OUT_DIR/memory_bench_cuda.log" part "memory_bench --quick --device cuda" 90 \

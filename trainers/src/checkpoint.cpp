@@ -1,5 +1,7 @@
 #include "checkpoint.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "fusebox/core/distributed.h"
@@ -84,6 +86,23 @@ int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrSchedul
   return step;
 }
 
+void restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
+  auto it = ckpt.meta.find("loss_scale");
+  if (it == ckpt.meta.end()) return;
+  const char* text = it->second.c_str();
+  char* end = nullptr;
+  const double scale = std::strtod(text, &end);
+  auto good = ckpt.counters.find("loss_scale_good_steps");
+  try {
+    if (end == text || *end != '\0' || good == ckpt.counters.end())
+      throw Error("the saved loss scale '" + it->second + "' is not a number");
+    scaler.restore(scale, good->second);
+  } catch (const Error& e) {
+    throw Error(std::string("--resume: ") + e.what() +
+                ": the checkpoint was not written by fusebox's trainer");
+  }
+}
+
 bool checkpoint_due(const TrainConfig& c, int64_t step, bool final) {
   if (c.output_dir.empty()) return false;
   return final || (c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0);
@@ -116,6 +135,12 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.counters["step"] = step;
   ckpt.counters["scheduler_steps"] = ctx.scheduler.step_count();
   if (ctx.skipped_in_a_row) ckpt.counters["skipped_in_a_row"] = *ctx.skipped_in_a_row;
+  if (ctx.loss_scaler) {
+    char hex[64];  // hexadecimal: the scale comes back bit for bit
+    std::snprintf(hex, sizeof hex, "%a", ctx.loss_scaler->scale());
+    ckpt.meta["loss_scale"] = hex;
+    ckpt.counters["loss_scale_good_steps"] = ctx.loss_scaler->good_steps();
+  }
   ckpt.meta["plugin"] = ctx.plugin.info().name;
   ckpt.meta["plugin_version"] = ctx.plugin.info().version;
   ckpt.meta["mode"] = ctx.mode.name();

@@ -13,6 +13,7 @@
 #include "data.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/distributed.h"
+#include "fusebox/core/loss_scaler.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
@@ -59,7 +60,12 @@ struct CheckpointContext {
   bool leader = true;                  ///< this rank writes the files
   bool sharded = false;                ///< ZeRO-1: the state is gathered from every rank first
   const int64_t* skipped_in_a_row = nullptr;  ///< saved as a counter when given
+  const LossScaler* loss_scaler = nullptr;    ///< its scale and progress are saved when given
 };
+
+/// Continues `scaler` from the scale a checkpoint saved (a dynamic scale goes on where it was);
+/// nothing when the checkpoint has none (written without loss scaling).
+void restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler);
 
 /// True when a checkpoint is saved after `step` steps: every --save-every-n-steps, and when
 /// `final`, if --output-dir is set.

@@ -138,6 +138,27 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   if (c.mixed_precision != "no" && c.dtype == "float64")
     throw Error(r.label("mixed-precision") + ": " + c.mixed_precision +
                 " cannot be combined with --dtype float64");
+  const std::string loss_scale = r.get<std::string>("loss-scale");
+  c.loss_scale = loss_scale != "auto"          ? loss_scale
+                 : c.mixed_precision == "fp16" ? "dynamic"
+                                               : "none";
+  c.loss_scale_value = r.get<double>("loss-scale-value");
+  c.loss_scale_growth_interval = r.get<int64_t>("loss-scale-growth-interval");
+  if (c.loss_scale == "dynamic" && (c.fused_backward_pass || grouped)) {
+    const std::string mode =
+        c.fused_backward_pass ? "--fused-backward-pass" : "--fused-optimizer-groups";
+    const std::string why =
+        ": a dynamic loss scale skips a step whose gradients overflowed, after seeing all of "
+        "them, but " +
+        mode +
+        " has applied the earlier ones by then; use --loss-scale fixed (--loss-scale-value, "
+        "65536 by default: an overflow then stops the run, and you resume with a lower value), "
+        "--loss-scale none, or bf16";
+    if (loss_scale == "auto")
+      throw Error(r.label("mixed-precision") + ": fp16 with " + mode +
+                  " needs a loss scale chosen with --loss-scale" + why);
+    throw Error(r.label("loss-scale") + ": dynamic cannot be used with " + mode + why);
+  }
 
   c.model = r.get<std::string>("model");
   c.model_width = r.get<int64_t>("model-width");

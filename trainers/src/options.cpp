@@ -119,6 +119,18 @@ std::vector<OptionSpec> build_specs() {
                   "autocast the forward pass to bf16 or fp16 (fp16 has no CPU autocast)",
                   "no|fp16|bf16")),
           {"no", "fp16", "bf16"});
+  choices(add(opt("loss-scale", Kind::Choice, std::string("auto"),
+                  "multiply the loss before backward so small fp16 gradients do not underflow: "
+                  "dynamic (skips overflowed steps; normal mode only), fixed, none; auto: "
+                  "dynamic with --mixed-precision fp16, else none",
+                  "auto|dynamic|fixed|none")),
+          {"auto", "dynamic", "fixed", "none"});
+  OptionSpec& scale_value = add(opt("loss-scale-value", Kind::Real, 65536.0,
+                                    "the fixed loss scale, or the dynamic one's start", "X"));
+  above(scale_value, 0), at_most(scale_value, 3.4e38);
+  at_least(add(opt("loss-scale-growth-interval", Kind::Int, int64_t{2000},
+                   "dynamic loss scale: doubles after N steps in a row without overflow", "N")),
+           1);
   add(opt("full-bf16", Kind::Flag, false,
           "keep the parameters in bf16 (stochastic rounding when the plugin offers it)"));
   choices(add(opt("dtype", Kind::Choice, std::string("float32"), "parameter and data type",

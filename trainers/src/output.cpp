@@ -74,8 +74,11 @@ std::string summary_json(const RunSummary& s) {
   std::ostringstream o;
   o << "{\"name\":" << json_string(s.name) << ",\"mode\":" << json_string(s.mode)
     << ",\"optimizer\":" << json_string(s.optimizer) << ",\"steps\":" << s.steps
-    << ",\"skipped_steps\":" << s.skipped_steps
-    << ",\"wall_seconds\":" << json_number(s.wall_seconds)
+    << ",\"skipped_steps\":" << s.skipped_steps;
+  if (s.loss_scale > 0)
+    o << ",\"overflow_steps\":" << s.overflow_steps
+      << ",\"loss_scale\":" << json_number(s.loss_scale);
+  o << ",\"wall_seconds\":" << json_number(s.wall_seconds)
     << ",\"first_loss\":" << json_number(s.first_loss)
     << ",\"last_loss\":" << json_number(s.last_loss) << ",\"peak_bytes\":" << s.peak_bytes
     << ",\"peak_phase\":" << json_string(s.peak_phase) << ",\"parameters\":" << s.parameters
@@ -94,6 +97,9 @@ std::string summary_text(const RunSummary& s) {
   if (s.skipped_steps > 0)
     o << "; " << s.skipped_steps << " step" << (s.skipped_steps == 1 ? "" : "s")
       << " skipped (non-finite)";
+  if (s.overflow_steps > 0)
+    o << "; " << s.overflow_steps << " step" << (s.overflow_steps == 1 ? "" : "s")
+      << " skipped on gradient overflow (loss scale now " << short_number(s.loss_scale) << ")";
   o << "\n";
   if (!s.memory_breakdown.empty()) o << "  memory: " << s.memory_breakdown << "\n";
   return o.str();
@@ -131,11 +137,11 @@ std::string comparison_table(const std::vector<RunSummary>& runs) {
 
 namespace {
 
-std::string csv_header(size_t num_groups) {
+std::string csv_header(size_t num_groups, bool loss_scale) {
   std::string h = "step,loss";
   for (size_t g = 0; g < num_groups; ++g) h += ",lr_" + std::to_string(g);
   for (size_t g = 0; g < num_groups; ++g) h += ",effective_lr_" + std::to_string(g);
-  return h + ",grad_norm,step_seconds,peak_bytes,peak_phase";
+  return h + ",grad_norm,step_seconds,peak_bytes,peak_phase" + (loss_scale ? ",loss_scale" : "");
 }
 
 // The step a record starts with ("{\"step\":12," or "12,"), or -1.
@@ -162,19 +168,22 @@ std::string records_up_to(const fs::path& file, int64_t step, const std::string&
 
 }  // namespace
 
-MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups) {
+MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups,
+                                    bool loss_scale) {
   MetricsHistory h;
-  const std::string header = csv_header(num_groups);
+  const std::string header = csv_header(num_groups, loss_scale);
   h.jsonl = records_up_to(fs::path(folder) / "metrics.jsonl", step, "{\"step\":", nullptr);
   h.csv_rows = records_up_to(fs::path(folder) / "metrics.csv", step, "", &header);
   return h;
 }
 
-MetricsFiles::MetricsFiles(const std::string& folder, size_t num_groups, MetricsHistory history)
+MetricsFiles::MetricsFiles(const std::string& folder, size_t num_groups, MetricsHistory history,
+                           bool loss_scale)
     : folder_(folder),
-      header_(csv_header(num_groups) + "\n"),
+      header_(csv_header(num_groups, loss_scale) + "\n"),
       jsonl_(std::move(history.jsonl)),
-      csv_(std::move(history.csv_rows)) {
+      csv_(std::move(history.csv_rows)),
+      loss_scale_(loss_scale) {
   if (folder_.empty()) return;
   std::error_code ec;
   fs::create_directories(folder_, ec);
@@ -188,14 +197,18 @@ void MetricsFiles::add(const StepMetrics& m) {
     << ",\"lr\":" << json_array(m.lrs) << ",\"effective_lr\":" << json_array(m.effective_lrs)
     << ",\"grad_norm\":" << (m.grad_norm < 0 ? "null" : json_number(m.grad_norm))
     << ",\"step_seconds\":" << json_number(m.step_seconds) << ",\"peak_bytes\":" << m.peak_bytes
-    << ",\"peak_phase\":" << json_string(m.peak_phase) << "}\n";
+    << ",\"peak_phase\":" << json_string(m.peak_phase);
+  if (loss_scale_) j << ",\"loss_scale\":" << json_number(m.loss_scale);
+  j << "}\n";
   jsonl_ += j.str();
   std::ostringstream c;
   c << m.step << "," << json_number(m.loss);
   for (double v : m.lrs) c << "," << format_real(v);
   for (double v : m.effective_lrs) c << "," << format_real(v);
   c << "," << (m.grad_norm < 0 ? "" : format_real(m.grad_norm)) << ","
-    << format_real(m.step_seconds) << "," << m.peak_bytes << "," << m.peak_phase << "\n";
+    << format_real(m.step_seconds) << "," << m.peak_bytes << "," << m.peak_phase;
+  if (loss_scale_) c << "," << format_real(m.loss_scale);
+  c << "\n";
   csv_ += c.str();
 }
 

@@ -18,6 +18,7 @@ struct StepMetrics {
   std::vector<double> lrs;            ///< each group's lr for this step
   std::vector<double> effective_lrs;  ///< each group's applied step size
   double grad_norm = -1;              ///< -1: unknown
+  double loss_scale = 0;              ///< the loss scale of this step; 0: no loss scaling
   double step_seconds = 0;
   int64_t peak_bytes = 0;  ///< peak tensor memory during this step
   std::string peak_phase;  ///< phase in which it happened
@@ -27,7 +28,9 @@ struct StepMetrics {
 struct RunSummary {
   std::string name, mode, optimizer;
   int64_t steps = 0;
-  int64_t skipped_steps = 0;  ///< --on-non-finite skip: steps whose update was dropped
+  int64_t skipped_steps = 0;   ///< --on-non-finite skip: steps whose update was dropped
+  int64_t overflow_steps = 0;  ///< dynamic loss scale: steps skipped because gradients overflowed
+  double loss_scale = 0;       ///< the loss scale at the end; 0: no loss scaling
   double wall_seconds = 0;
   double first_loss = 0, last_loss = 0;
   int64_t peak_bytes = 0;
@@ -52,8 +55,10 @@ struct MetricsHistory {
 
 /// The records of steps 1..`step` in `folder`'s metrics files, where the run that wrote the
 /// checkpoint being resumed kept them; CSV rows only when that file has the columns of
-/// `num_groups` groups. A last line without its newline (a write cut short) is left out.
-MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups);
+/// `num_groups` groups (and a loss_scale column when `loss_scale` is set). A last line without
+/// its newline (a write cut short) is left out.
+MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups,
+                                    bool loss_scale = false);
 
 /// Per-step metrics files (metrics.jsonl, metrics.csv) in a folder; nothing when folder is "".
 /// Records wait in memory until the next snapshot (before each checkpoint) or the end. The first
@@ -61,7 +66,9 @@ MetricsHistory read_metrics_history(const std::string& folder, int64_t step, siz
 /// append only the new records, so each record is written once however long the run.
 class MetricsFiles {
  public:
-  MetricsFiles(const std::string& folder, size_t num_groups, MetricsHistory history = {});
+  /// `loss_scale`: the run scales its loss, and metrics.csv gets a loss_scale column.
+  MetricsFiles(const std::string& folder, size_t num_groups, MetricsHistory history = {},
+               bool loss_scale = false);
   void add(const StepMetrics& m);
   /// Writes the records added since the last snapshot (before each checkpoint).
   void snapshot();
@@ -74,6 +81,7 @@ class MetricsFiles {
   std::string folder_, header_;
   std::string jsonl_, csv_;  // records not yet in the files (at first, the history too)
   bool started_ = false;     // the files are this run's: append to them
+  bool loss_scale_ = false;  // records carry the loss scale
 };
 
 /// Progress on the console: a redrawn bar on a terminal, plain lines every `log_every` steps

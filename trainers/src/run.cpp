@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 
 #include "checkpoint.h"
@@ -12,6 +13,7 @@
 #include "fusebox/core/autocast.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/device.h"
+#include "fusebox/core/loss_scaler.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/memory_accounting.h"
 #include "fusebox/core/memory_tracker.h"
@@ -78,6 +80,12 @@ double mean_over_ranks(double value, const Distributed& dist) {
   return t.item<double>() / dist.config.world_size;
 }
 
+std::string scale_text(double scale) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", scale);
+  return buf;
+}
+
 std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
 
 }  // namespace
@@ -139,9 +147,9 @@ void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ra
   if (c.mixed_precision == "fp16" && c.device == "cpu")
     warnings << "trainer: warning: --mixed-precision fp16: LibTorch 1.13 has no fp16 autocast on "
                 "CPU; training without autocast (use bf16 on CPU)\n";
-  if (c.mixed_precision == "fp16" && c.device == "cuda")
-    warnings << "trainer: warning: --mixed-precision fp16: no loss scaling is applied; small "
-                "gradients may underflow (bf16 avoids this)\n";
+  if (c.mixed_precision == "fp16" && c.loss_scale == "none")
+    warnings << "trainer: warning: --mixed-precision fp16 with --loss-scale none: small "
+                "gradients may underflow to zero (bf16 avoids this)\n";
 }
 
 RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const HyperParams& hp,
@@ -230,6 +238,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   so.comm = dist.comm;
   so.bucket_bytes = static_cast<int64_t>(c.dist_bucket_mb * 1024 * 1024);
   so.shard_optimizer_state = c.shard_optimizer_state && dist.comm;
+  if (c.loss_scale != "none") {
+    LossScaleOptions ls;
+    ls.scale = c.loss_scale_value;
+    ls.dynamic = c.loss_scale == "dynamic";
+    ls.growth_interval = c.loss_scale_growth_interval;
+    so.loss_scaler = std::make_shared<LossScaler>(ls);
+  }
   std::unique_ptr<StepMode> mode;
   if (c.fused_backward_pass) {
     mode = make_fused_backward(plugin.create(groups, hp), so);
@@ -253,6 +268,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   if (so.shard_optimizer_state) share = StateShare{groups, dist.config.rank, world};
   const int64_t first_step =
       resumed ? restore_training_state(*resumed, *mode, scheduler, *data, share) : 0;
+  if (resumed && so.loss_scaler) restore_loss_scale(*resumed, *so.loss_scaler);
   if (first_step >= c.max_train_steps)
     throw Error("--resume: the checkpoint is at step " + std::to_string(first_step) +
                 ", --max-train-steps is " + std::to_string(c.max_train_steps) + ": nothing to do");
@@ -271,7 +287,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                    dist.comm,
                                    dist.leader(),
                                    so.shard_optimizer_state,
-                                   &skipped_in_a_row};
+                                   &skipped_in_a_row,
+                                   so.loss_scaler.get()};
 
   RunSummary summary;
   summary.name = c.name;
@@ -301,11 +318,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
               << std::flush;
   }
   // A resumed run's files continue the history of the run its checkpoint came from.
+  const bool scaled = so.loss_scaler != nullptr;
   MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size(),
                      resumed && dist.leader()
                          ? read_metrics_history(fs::path(resumed_from).parent_path().string(),
-                                                first_step, scheduler.lrs().size())
-                         : MetricsHistory{});
+                                                first_step, scheduler.lrs().size(), scaled)
+                         : MetricsHistory{},
+                     scaled);
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]", first_step);
   const bool autocast = autocast_enabled(c);
@@ -320,6 +339,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       const Clock::time_point t0 = Clock::now();
       memory::reset_peak();  // the CPU counter, and the CUDA allocator's peak on CUDA
       double loss_sum = 0;
+      const double loss_scale = scaled ? so.loss_scaler->scale() : 0;  // before step() moves it
       bool bad_loss = false;  // --on-non-finite skip: this step's update is dropped
       for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
         Batch batch =
@@ -364,8 +384,20 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       } else {
         stats = mode->step();
       }
-      skipped_in_a_row = stats.skipped ? skipped_in_a_row + 1 : 0;
-      summary.skipped_steps += stats.skipped;
+      if (stats.overflow) {
+        // Expected now and then with a dynamic scale (most at the start, while it settles): not
+        // a failure, and not part of --max-consecutive-skips' count.
+        ++summary.overflow_steps;
+        if (dist.leader())
+          con.err << ("trainer: step " + std::to_string(step) +
+                      ": gradients overflowed at loss scale " + scale_text(loss_scale) +
+                      ": update skipped, scale lowered to " + scale_text(so.loss_scaler->scale()) +
+                      "\n")
+                  << std::flush;
+      } else {
+        skipped_in_a_row = stats.skipped ? skipped_in_a_row + 1 : 0;
+        summary.skipped_steps += stats.skipped;
+      }
       // A run that only skips is not training: say so rather than spend the remaining steps.
       if (c.max_consecutive_skips > 0 && skipped_in_a_row >= c.max_consecutive_skips)
         throw NonFiniteError(
@@ -379,6 +411,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       m.lrs = scheduler.lrs();
       m.effective_lrs = scheduler.effective_lrs();
       m.grad_norm = stats.grad_norm;
+      m.loss_scale = loss_scale;
       // A dropped update does not use up the schedule (as accelerate does after a skipped step).
       if (!stats.skipped) scheduler.step();
       memory::mark_phase("idle");
@@ -415,6 +448,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   progress.finish();
   summary.wall_seconds = seconds_since(start);
+  if (scaled) summary.loss_scale = so.loss_scaler->scale();
   memory::Breakdown acct;
   try {
     acct = memory::account(*mode, summary.peak_bytes);  // reads the optimizers' state
