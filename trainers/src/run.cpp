@@ -145,8 +145,9 @@ void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ra
         "ranks; give it synthetic or text data");
   if (c.device == "cuda") gpu_for_local_rank(local_rank, local_ranks, visible_gpus());
   if (c.mixed_precision == "fp16" && c.device == "cpu")
-    warnings << "trainer: warning: --mixed-precision fp16: LibTorch 1.13 has no fp16 autocast on "
-                "CPU; training without autocast (use bf16 on CPU)\n";
+    warnings << "trainer: warning: --mixed-precision fp16: fp16 autocast is CUDA only here "
+                "(LibTorch 1.13 has none on the CPU); training in float32, with the loss scale, "
+                "without autocast (use bf16 on CPU)\n";
   if (c.mixed_precision == "fp16" && c.loss_scale == "none")
     warnings << "trainer: warning: --mixed-precision fp16 with --loss-scale none: small "
                 "gradients may underflow to zero (bf16 avoids this)\n";
