@@ -1,6 +1,7 @@
 #include "fusebox/core/loss_scaler.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -38,6 +39,10 @@ LossScaler::LossScaler(LossScaleOptions options) : options_(options), scale_(opt
     throw Error("loss scale growth interval must be at least 1, not " +
                 std::to_string(options_.growth_interval));
   check_scale(options_.min_scale, "minimum loss scale");
+  // Its first overflow would already count as "not finite at any scale".
+  if (options_.scale < options_.min_scale)
+    throw Error("a dynamic loss scale must start at or above its minimum " +
+                number(options_.min_scale) + ", not " + number(options_.scale));
 }
 
 bool LossScaler::update(bool overflow) {
@@ -50,8 +55,11 @@ bool LossScaler::update(bool overflow) {
     return true;
   }
   if (++good_steps_ >= options_.growth_interval) {
-    // Growth stops at the largest scale a float loss can take.
-    scale_ = std::min(scale_ * options_.growth_factor, 3.4e38);
+    // A scale that would pass float's largest value stays where it is (as GradScaler keeps its
+    // scale when the grown one is infinite in float), so a power of two stays one: capping at
+    // FLT_MAX instead would leave every later scale a non-power of two, and unscaling inexact.
+    const double grown = scale_ * options_.growth_factor;
+    if (grown <= FLT_MAX) scale_ = grown;
     good_steps_ = 0;
   }
   return true;

@@ -693,4 +693,26 @@ TEST(LossScaler, FollowsTheDynamicRuleAndRefusesImpossibleSettings) {
     if (std::string(bad.first) == "interval") b.growth_interval = 0;
     EXPECT_THROW(LossScaler{b}, Error) << bad.first;
   }
+  LossScaleOptions below_minimum;
+  below_minimum.scale = below_minimum.min_scale / 2;
+  EXPECT_THROW(LossScaler{below_minimum}, Error);
+  below_minimum.dynamic = false;  // a fixed scale has no minimum
+  EXPECT_NO_THROW(LossScaler{below_minimum});
+}
+
+// GradScaler keeps its scale when the grown one would be infinite in float: the largest scale is
+// then 2^127, a power of two whose unscaling is exact. Capping at float's largest value instead
+// left 3.4e38 and, after the next overflow, 1.7e38: never a power of two again.
+TEST(LossScaler, GrowthStopsAtTheLargestPowerOfTwoAFloatHolds) {
+  LossScaleOptions o;
+  o.scale = std::ldexp(1.0, 126);
+  o.growth_interval = 1;
+  LossScaler s(o);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(s.update(false));
+  EXPECT_EQ(s.scale(), std::ldexp(1.0, 127));
+  EXPECT_EQ(s.good_steps(), 0);
+  EXPECT_TRUE(s.update(true));
+  EXPECT_EQ(s.scale(), std::ldexp(1.0, 126));
+  EXPECT_TRUE(s.update(false));
+  EXPECT_EQ(s.scale(), std::ldexp(1.0, 127));
 }

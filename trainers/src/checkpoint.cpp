@@ -86,21 +86,55 @@ int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrSchedul
   return step;
 }
 
-void restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
+namespace {
+
+// A scale as text that reads back bit for bit.
+std::string exact_text(double v) {
+  char hex[64];
+  std::snprintf(hex, sizeof hex, "%a", v);
+  return hex;
+}
+
+std::string short_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+}  // namespace
+
+std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
   auto it = ckpt.meta.find("loss_scale");
-  if (it == ckpt.meta.end()) return;
+  if (it == ckpt.meta.end()) return "";
   const char* text = it->second.c_str();
   char* end = nullptr;
   const double scale = std::strtod(text, &end);
   auto good = ckpt.counters.find("loss_scale_good_steps");
+  if (end == text || *end != '\0' || good == ckpt.counters.end())
+    throw Error("--resume: the saved loss scale '" + it->second +
+                "' is not a number: the checkpoint was not written by fusebox's trainer");
+  if (!scaler.dynamic()) return "";  // a fixed scale is the one configured now
+  // A dynamic scale continues from the checkpoint unless this run asks for another start: the
+  // checkpoint's run had a fixed scale, or --loss-scale-value changed (to reset a scale that a
+  // stretch of overflows drove down, say). Checkpoints from before these keys continue as saved.
+  const double start = scaler.options().scale;
+  auto mode = ckpt.meta.find("loss_scale_mode");
+  if (mode != ckpt.meta.end() && mode->second == "fixed")
+    return "the checkpoint's run had a fixed loss scale (" + short_text(scale) +
+           "): the dynamic scale starts at --loss-scale-value " + short_text(start);
+  auto saved_start = ckpt.meta.find("loss_scale_start");
+  if (saved_start != ckpt.meta.end() && saved_start->second != exact_text(start))
+    return "--loss-scale-value " + short_text(start) +
+           " differs from the checkpoint's run: the dynamic scale starts at it, not at the "
+           "checkpoint's " +
+           short_text(scale);
   try {
-    if (end == text || *end != '\0' || good == ckpt.counters.end())
-      throw Error("the saved loss scale '" + it->second + "' is not a number");
     scaler.restore(scale, good->second);
   } catch (const Error& e) {
     throw Error(std::string("--resume: ") + e.what() +
                 ": the checkpoint was not written by fusebox's trainer");
   }
+  return "";
 }
 
 bool checkpoint_due(const TrainConfig& c, int64_t step, bool final) {
@@ -136,9 +170,11 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.counters["scheduler_steps"] = ctx.scheduler.step_count();
   if (ctx.skipped_in_a_row) ckpt.counters["skipped_in_a_row"] = *ctx.skipped_in_a_row;
   if (ctx.loss_scaler) {
-    char hex[64];  // hexadecimal: the scale comes back bit for bit
-    std::snprintf(hex, sizeof hex, "%a", ctx.loss_scaler->scale());
-    ckpt.meta["loss_scale"] = hex;
+    // Hexadecimal: the scale comes back bit for bit. The mode and configured start let a resumed
+    // run tell a continued scale from one the user chose anew.
+    ckpt.meta["loss_scale"] = exact_text(ctx.loss_scaler->scale());
+    ckpt.meta["loss_scale_mode"] = ctx.loss_scaler->dynamic() ? "dynamic" : "fixed";
+    ckpt.meta["loss_scale_start"] = exact_text(ctx.loss_scaler->options().scale);
     ckpt.counters["loss_scale_good_steps"] = ctx.loss_scaler->good_steps();
   }
   ckpt.meta["plugin"] = ctx.plugin.info().name;

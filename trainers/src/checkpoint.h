@@ -64,8 +64,10 @@ struct CheckpointContext {
 };
 
 /// Continues `scaler` from the scale a checkpoint saved (a dynamic scale goes on where it was);
-/// nothing when the checkpoint has none (written without loss scaling).
-void restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler);
+/// nothing when the checkpoint has none (written without loss scaling). A dynamic scale whose
+/// checkpoint came from a fixed-scale run, or whose --loss-scale-value differs from that run's,
+/// starts at the configured value instead: the returned text says so ("" when restored).
+std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler);
 
 /// True when a checkpoint is saved after `step` steps: every --save-every-n-steps, and when
 /// `final`, if --output-dir is set.

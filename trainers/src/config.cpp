@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "fusebox/core/loss_scaler.h"
 #include "fusebox/core/suggest.h"
 #include "fusebox/error.h"
 
@@ -144,6 +145,10 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
                                                : "none";
   c.loss_scale_value = r.get<double>("loss-scale-value");
   c.loss_scale_growth_interval = r.get<int64_t>("loss-scale-growth-interval");
+  if (c.loss_scale == "dynamic" && c.loss_scale_value < LossScaleOptions{}.min_scale)
+    throw Error(r.label("loss-scale-value") +
+                ": a dynamic scale must start at 2^-16 (1.5e-05) or "
+                "above, where it stops lowering itself; use a larger value or --loss-scale fixed");
   if (c.loss_scale == "dynamic" && (c.fused_backward_pass || grouped)) {
     const std::string mode =
         c.fused_backward_pass ? "--fused-backward-pass" : "--fused-optimizer-groups";

@@ -146,8 +146,9 @@ void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ra
   if (c.device == "cuda") gpu_for_local_rank(local_rank, local_ranks, visible_gpus());
   if (c.mixed_precision == "fp16" && c.device == "cpu")
     warnings << "trainer: warning: --mixed-precision fp16: fp16 autocast is CUDA only here "
-                "(LibTorch 1.13 has none on the CPU); training in float32, with the loss scale, "
-                "without autocast (use bf16 on CPU)\n";
+                "(LibTorch 1.13 has none on the CPU); training in float32"
+             << (c.loss_scale == "none" ? "" : ", with the loss scale")
+             << ", without autocast (use bf16 on CPU)\n";
   if (c.mixed_precision == "fp16" && c.loss_scale == "none")
     warnings << "trainer: warning: --mixed-precision fp16 with --loss-scale none: small "
                 "gradients may underflow to zero (bf16 avoids this)\n";
@@ -269,7 +270,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   if (so.shard_optimizer_state) share = StateShare{groups, dist.config.rank, world};
   const int64_t first_step =
       resumed ? restore_training_state(*resumed, *mode, scheduler, *data, share) : 0;
-  if (resumed && so.loss_scaler) restore_loss_scale(*resumed, *so.loss_scaler);
+  if (resumed && so.loss_scaler)
+    if (const std::string note = restore_loss_scale(*resumed, *so.loss_scaler);
+        !note.empty() && dist.leader())
+      con.err << ("trainer: warning: --resume: " + note + "\n") << std::flush;
   if (first_step >= c.max_train_steps)
     throw Error("--resume: the checkpoint is at step " + std::to_string(first_step) +
                 ", --max-train-steps is " + std::to_string(c.max_train_steps) + ": nothing to do");

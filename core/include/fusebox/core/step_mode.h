@@ -6,8 +6,8 @@
 //   for (...) {
 //     at::Tensor loss = model(batch);
 //     mode->backward(loss);   // fused/groups: parameters are updated in here, grads freed
-//     mode->step();           // normal: clip + step + free grads; fused/groups: finish iteration
-//     scheduler.step();
+//     StepStats stats = mode->step();  // normal: clip + step + free grads; fused/groups: finish
+//     if (!stats.skipped) scheduler.step();  // an overflowed (skipped) update keeps the lr
 //   }
 //
 // Normal: backward, then (optionally) clip, check, step every parameter, free every gradient.
