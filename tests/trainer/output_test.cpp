@@ -94,7 +94,12 @@ TEST(MetricsFiles, AResumedRunKeepsWholeRecordsUpToItsCheckpoint) {
   const MetricsHistory three = read_metrics_history(tmp.str(), 3, 1);
   EXPECT_EQ(count_lines(three.jsonl), 3);
   EXPECT_EQ(count_lines(three.csv_rows), 3);
-  EXPECT_TRUE(read_metrics_history(tmp.str(), 3, 2).csv_rows.empty()) << "other columns";
+  EXPECT_FALSE(three.csv_columns_differ);
+  const MetricsHistory two_groups = read_metrics_history(tmp.str(), 3, 2);
+  EXPECT_TRUE(two_groups.csv_rows.empty()) << "other columns";
+  EXPECT_TRUE(two_groups.csv_columns_differ);  // the trainer warns that the rows are left out
+  EXPECT_TRUE(read_metrics_history(tmp.str(), 3, 1, /*loss_scale=*/true).csv_columns_differ);
+  EXPECT_FALSE(read_metrics_history(tmp.file("elsewhere"), 3, 2).csv_columns_differ);
 
   // The resumed run's files: steps 1..3, then its own 4 and 5; nothing of the killed run's after.
   MetricsFiles resumed(tmp.str(), 1, three);

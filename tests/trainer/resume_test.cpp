@@ -212,6 +212,28 @@ TEST(TrainerResume, MetricsFilesKeepTheHistoryBeforeTheResumePoint) {
   }
 }
 
+// Resumed with other CSV columns (here two optimizer groups instead of one), the earlier rows
+// cannot join this run's metrics.csv: a warning says so, and metrics.jsonl still has every step.
+TEST(TrainerResume, MetricsCsvWithOtherColumnsIsNamedInAWarning) {
+  TempDir tmp;
+  const std::string a = tmp.file("a");
+  auto r = run_trainer(with(base_args(a, "sgd", 3), {"--save-every-n-steps", "3"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err.find("warning"), std::string::npos) << r.err;
+  r = run_trainer(
+      with(base_args(a, "sgd", 5), {"--resume", "latest", "--fused-optimizer-groups", "2"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("trainer: warning: --resume: " + a +
+                       "/metrics.csv has other columns than this run's"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("this run's metrics.csv starts at step 4; metrics.jsonl keeps every step"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(count_lines(read_text(a + "/metrics.jsonl")), 5);
+  EXPECT_EQ(count_lines(read_text(a + "/metrics.csv")), 1 + 2);
+}
+
 // A script model whose forward updates a buffer (as BatchNorm's running statistics do): the
 // checkpoint carries the buffer, so a resumed run equals an uninterrupted one.
 TEST(TrainerResume, ScriptModelBuffersAreSavedAndRestored) {

@@ -153,11 +153,16 @@ int64_t record_step(const std::string& line, const std::string& prefix) {
   return ec == std::errc() && end != begin ? step : -1;
 }
 
+// `*header_differs` (when given) is set when the file is there but starts with another header.
 std::string records_up_to(const fs::path& file, int64_t step, const std::string& prefix,
-                          const std::string* header) {
+                          const std::string* header, bool* header_differs = nullptr) {
   std::ifstream in(file, std::ios::binary);
   std::string line, out;
-  if (!in || (header && (!std::getline(in, line) || line != *header))) return out;
+  if (!in) return out;
+  if (header && (!std::getline(in, line) || line != *header)) {
+    if (header_differs) *header_differs = !line.empty();
+    return out;
+  }
   while (std::getline(in, line)) {
     if (in.eof()) break;  // no newline: the end of a write cut short
     const int64_t s = record_step(line, prefix);
@@ -173,7 +178,8 @@ MetricsHistory read_metrics_history(const std::string& folder, int64_t step, siz
   MetricsHistory h;
   const std::string header = csv_header(num_groups, loss_scale);
   h.jsonl = records_up_to(fs::path(folder) / "metrics.jsonl", step, "{\"step\":", nullptr);
-  h.csv_rows = records_up_to(fs::path(folder) / "metrics.csv", step, "", &header);
+  h.csv_rows =
+      records_up_to(fs::path(folder) / "metrics.csv", step, "", &header, &h.csv_columns_differ);
   return h;
 }
 

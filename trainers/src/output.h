@@ -51,6 +51,7 @@ std::string comparison_table(const std::vector<RunSummary>& runs);
 struct MetricsHistory {
   std::string jsonl;     ///< metrics.jsonl lines of steps up to the resume point
   std::string csv_rows;  ///< metrics.csv rows of those steps (empty when the columns differ)
+  bool csv_columns_differ = false;  ///< metrics.csv is there with other columns: rows left out
 };
 
 /// The records of steps 1..`step` in `folder`'s metrics files, where the run that wrote the

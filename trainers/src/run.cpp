@@ -324,11 +324,18 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   // A resumed run's files continue the history of the run its checkpoint came from.
   const bool scaled = so.loss_scaler != nullptr;
-  MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size(),
-                     resumed && dist.leader()
-                         ? read_metrics_history(fs::path(resumed_from).parent_path().string(),
-                                                first_step, scheduler.lrs().size(), scaled)
-                         : MetricsHistory{},
+  MetricsHistory history;
+  if (resumed && dist.leader()) {
+    const std::string folder = fs::path(resumed_from).parent_path().string();
+    history = read_metrics_history(folder, first_step, scheduler.lrs().size(), scaled);
+    if (history.csv_columns_differ && !c.output_dir.empty())
+      con.err << ("trainer: warning: --resume: " + (fs::path(folder) / "metrics.csv").string() +
+                  " has other columns than this run's (another number of optimizer groups, or a "
+                  "loss scale switched on or off), so this run's metrics.csv starts at step " +
+                  std::to_string(first_step + 1) + "; metrics.jsonl keeps every step\n")
+              << std::flush;
+  }
+  MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size(), std::move(history),
                      scaled);
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]", first_step);
