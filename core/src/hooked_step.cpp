@@ -70,9 +70,10 @@ void HookedStep::process(size_t i) {
     // On the host a scalar read costs nothing: the rest is host arithmetic, no more tensor ops.
     const double n = norm.item<double>();
     if (options_.check_finite && !norm_says_finite(param, n))
-      throw NonFiniteError("non-finite gradient in parameter '" + names_[i] +
-                           "' during the fused backward pass; it was not updated (parameters "
-                           "updated earlier in this pass hold finite values)" +
+      throw NonFiniteError("non-finite gradient in parameter '" + names_[i] + "' during the " +
+                           (name() == "fused" ? "fused backward pass" : "backward pass (groups)") +
+                           "; it was not updated (parameters updated earlier in this pass hold "
+                           "finite values)" +
                            scale_hint(options_));
     if (options_.max_grad_norm > 0) clip_by_norm_(param, n, options_.max_grad_norm);
     host_sum_sq_ += n * n;

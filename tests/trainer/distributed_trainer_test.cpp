@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/script.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "fusebox/core/checkpoint.h"
@@ -144,6 +145,62 @@ def forward(self, x):
   const auto b = fusebox::load_checkpoint(d.file("resumed") + "/checkpoint-00000006.fbx");
   EXPECT_TRUE(identical(a.model, b.model));
   EXPECT_TRUE(identical(a.buffers, b.buffers));
+}
+
+// A gradient that is NaN at step 3 (sqrt(|0 * w|) has a finite value and a NaN gradient): its
+// average is NaN on every rank, so in every mode the job stops at that step with exit 3 at once
+// rather than after --dist-timeout, the parameter named, and no checkpoint of step 3 is written.
+// In normal mode every rank checks after all reductions and names it. In the hooked modes a rank
+// may have launched the next bucket's all-reduce before it sees the NaN of an earlier one, while
+// the first to see it stops launching: that rank then stops on the closed connection instead.
+TEST(TrainerDistributed, ANonFiniteGradientStopsEveryRankAtTheSameStepInEveryMode) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  torch::jit::Module m("Net");
+  torch::manual_seed(0);
+  // Gradients arrive w2, w1, w0: with 1 KiB buckets w2's NaN is in the first bucket and w0's
+  // bucket may be launched before it is seen.
+  m.register_parameter("w0", torch::randn({8, 64}) * 0.3, false);
+  m.register_parameter("w1", torch::randn({64, 64}) * 0.1, false);
+  m.register_parameter("w2", torch::randn({64, 1}) * 0.1, false);
+  m.register_buffer("calls", torch::zeros({1}));
+  m.define(R"(
+def forward(self, x):
+    self.calls.add_(1.0)
+    loss = ((x.matmul(self.w0).matmul(self.w1).matmul(self.w2) - x.sum(1, keepdim=True)) ** 2).mean()
+    if int(self.calls.item()) == 3:
+        loss = loss + (self.w2 * 0.0).abs().sqrt().sum()
+    return loss
+)");
+  const std::string script = d.file("nan_grad_at_3.pt");
+  m.save(script);
+  const std::string base = "--model-script " + script +
+                           " --model-width 8 --threads 1 --optimizer adamw --train-batch-size 4 "
+                           "--max-train-steps 6 --save-every-n-steps 1 --dist-timeout 120 "
+                           "--nproc-per-node 2 ";
+  for (const std::string mode :
+       {"", "--fused-backward-pass --dist-bucket-mb 0.001", "--fused-optimizer-groups 2"}) {
+    SCOPED_TRACE(mode.empty() ? "normal" : mode);
+    const auto start = std::chrono::steady_clock::now();
+    Result r = train(d, "out", base + mode);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(r.code, 3) << r.err;
+    EXPECT_LT(seconds, 60) << "a rank waited for the other instead of stopping";
+    int named = 0;
+    for (const std::string rank : {"rank 0", "rank 1"}) {
+      const std::string line = "trainer: error: " + rank + ": training failed at step 3: ";
+      const bool nan =
+          r.err.find(line + "non-finite gradient in parameter 'w2'") != std::string::npos;
+      named += nan;
+      EXPECT_TRUE(nan || (!mode.empty() && r.err.find(line + "distributed") != std::string::npos &&
+                          r.err.find("another rank probably exited") != std::string::npos))
+          << r.err;
+    }
+    EXPECT_GE(named, mode.empty() ? 2 : 1) << r.err;
+    EXPECT_TRUE(std::filesystem::exists(d.file("out/" + fusebox::checkpoint_name(2))));
+    EXPECT_FALSE(std::filesystem::exists(d.file("out/" + fusebox::checkpoint_name(3))));
+  }
 }
 
 // Settings the launcher can judge are refused once, before any rank starts.
