@@ -8,6 +8,7 @@
 #include <ATen/core/grad_mode.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <unistd.h>
 
@@ -202,6 +203,9 @@ void write_file_atomically(const fs::path& path, const std::string& bytes) {
     throw Error("cannot write " + path.string() + ": cannot create a file in " + dir.string() +
                 " (" + reason + "); check that the folder exists and is writable");
   }
+  // Held until close (or this process's death): remove_stale_temporaries leaves a locked
+  // temporary alone, also one whose writer's pid it cannot see (another PID namespace).
+  ::flock(fd, LOCK_EX | LOCK_NB);
   if (const char* failed = write_and_sync(fd, bytes)) {
     const int error = errno;  // close may change it
     ::close(fd);
@@ -492,7 +496,13 @@ void remove_stale_temporaries(const fs::path& dir) {
     const long long pid = std::stoll(m[2]);  // at most 9 digits
     if (pid == ::getpid()) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;  // writer alive
-    fs::remove(e.path(), ec);
+    // No such process here; a writer in another PID namespace (a container sharing the folder)
+    // still holds the file's lock.
+    const int fd = ::open(e.path().c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    const bool locked = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+    if (!locked) fs::remove(e.path(), ec);
+    ::close(fd);
   }
 }
 

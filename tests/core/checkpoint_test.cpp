@@ -1,6 +1,8 @@
 // Checkpoints: exact round trips, resume across step modes, and loud failure on bad files.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -322,6 +324,22 @@ TEST(Checkpoint, RemovesOnlyItsOwnStaleTemporaries) {
   EXPECT_EQ(checkpoint_step("checkpoint-00000120.fbx"), 120);
   EXPECT_FALSE(checkpoint_step("checkpoint-1.fbx.bak").has_value());
   EXPECT_NO_THROW(prune_checkpoints(dir, 1));
+}
+
+// A writer in another PID namespace has a pid that is dead here: the lock it holds on its
+// temporary (as write_file_atomically does while it writes) keeps the file.
+TEST(Checkpoint, ALockedTemporaryOfAnUnknownPidIsKept) {
+  fs::path dir = temp_dir("locked");
+  const fs::path tmp = dir / ".checkpoint-00000004.fbx.tmp.999999999";
+  std::ofstream(tmp) << "x";
+  const int fd = ::open(tmp.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX), 0);
+  remove_stale_temporaries(dir);
+  EXPECT_TRUE(fs::exists(tmp)) << "a locked temporary was removed";
+  ::close(fd);  // the writer is gone
+  remove_stale_temporaries(dir);
+  EXPECT_FALSE(fs::exists(tmp));
 }
 
 // "latest" follows the pointer written after each save (it survives copies that reset
