@@ -1,8 +1,13 @@
 #include "app.h"
 
+#include <fcntl.h>
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <set>
 
@@ -79,8 +84,10 @@ std::string run_output_dir(const std::string& dir, const std::string& name) {
   return (fs::path(dir) / name).string();
 }
 
-// Refuses an output folder that cannot be created: its path, or a folder above it, is a file.
-void check_output_dir(const std::string& dir) {
+// Refuses a folder that cannot be created or written before anything trains: its path, or a
+// folder above it, is a file, or the folder (else the nearest one above it that exists) is not
+// writable by this process (permissions, a read-only file system). `what` names the option.
+void check_writable_folder(const std::string& dir, const std::string& what) {
   if (dir.empty()) return;
   for (fs::path p = fs::absolute(dir); !p.empty(); p = p.parent_path()) {
     std::error_code ec;
@@ -91,11 +98,17 @@ void check_output_dir(const std::string& dir) {
       continue;
     }
     if (st.type() != fs::file_type::directory)
-      throw Error("--output-dir: cannot create " + dir + ": " + p.string() +
-                  " is not a folder; choose another --output-dir");
+      throw Error(what + ": cannot create " + dir + ": " + p.string() +
+                  " is not a folder; choose another " + what);
+    // The effective ids decide, as for the writes to come (root passes unless read-only).
+    if (::faccessat(AT_FDCWD, p.c_str(), W_OK | X_OK, AT_EACCESS) != 0)
+      throw Error(what + ": cannot write in " + p.string() + " (" + std::strerror(errno) +
+                  "); choose a folder this user can write");
     break;
   }
 }
+
+void check_output_dir(const std::string& dir) { check_writable_folder(dir, "--output-dir"); }
 
 std::string run_model_path(const std::string& path, const std::string& name) {
   if (name.empty()) return path;
@@ -208,8 +221,13 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       check_runtime(p.config, world, local_rank, local_ranks, err);
       p.config.output_dir = run_output_dir(p.config.output_dir, p.config.name);
       check_output_dir(p.config.output_dir);
-      if (p.config.save_model)
+      if (p.config.save_model) {
         p.config.save_model = run_model_path(*p.config.save_model, p.config.name);
+        check_writable_folder(fs::path(*p.config.save_model).parent_path().string(),
+                              "--save-model");
+      }
+      // A run's checkpoint to resume must be there before an earlier run trains.
+      if (p.config.resume) resume_checkpoint_path(p.config);
     } catch (const Error& ex) {
       if (p.config.name.empty() || file.runs.size() < 2) throw;
       throw Error("run '" + p.config.name + "': " + ex.what());
@@ -232,7 +250,20 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   Console console{dist.leader() ? out : silent, err, terminal && dist.leader()};
   std::vector<RunSummary> summaries;
   for (auto& p : plan) {
-    RunSummary s = run_training(p.config, *p.plugin, p.hyperparams, console, dist);
+    RunSummary s;
+    try {
+      s = run_training(p.config, *p.plugin, p.hyperparams, console, dist);
+    } catch (const TrainingFailed&) {
+      throw;  // already names its run
+    } catch (const Error& ex) {
+      // A set-up error of a later run (its checkpoint, data or model): named, and not "nothing
+      // trained" (exit 2) once an earlier run has.
+      const std::string named =
+          (p.config.name.empty() ? "" : "run '" + p.config.name + "': ") + ex.what();
+      if (summaries.empty()) throw Error(named);
+      throw TrainingFailed(named + " (after " + std::to_string(summaries.size()) +
+                           " earlier run(s) completed)");
+    }
     console.out << summary_text(s);
     summaries.push_back(s);
   }

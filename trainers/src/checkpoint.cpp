@@ -19,9 +19,7 @@ void check_checkpoint_options(const TrainConfig& c) {
     throw Error("--save-every-n-steps must be >= 0 (0: only at the end)");
 }
 
-std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const LoadedPlugin& plugin,
-                                                 std::string* from) {
-  if (!c.resume) return std::nullopt;
+fs::path resume_checkpoint_path(const TrainConfig& c) {
   fs::path path = *c.resume;
   std::error_code ec;
   if (*c.resume == "latest" || fs::is_directory(path, ec)) {
@@ -30,6 +28,13 @@ std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const Loa
     if (!latest) throw Error("--resume " + *c.resume + ": no checkpoint-*.fbx in " + dir.string());
     path = *latest;
   }
+  return path;
+}
+
+std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const LoadedPlugin& plugin,
+                                                 std::string* from) {
+  if (!c.resume) return std::nullopt;
+  const fs::path path = resume_checkpoint_path(c);
   Checkpoint ckpt = load_checkpoint(path);
   if (from) *from = path.string();
   const std::string saved_plugin = ckpt.meta.count("plugin") ? ckpt.meta.at("plugin") : "?";

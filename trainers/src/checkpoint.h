@@ -24,6 +24,10 @@ namespace fusebox::trainer {
 /// Refuses inconsistent checkpoint options (called before any work starts).
 void check_checkpoint_options(const TrainConfig& config);
 
+/// The checkpoint file --resume names (a file, the one written last in a folder, or latest in
+/// --output-dir); throws fusebox::Error when there is none. `config.resume` must be set.
+std::filesystem::path resume_checkpoint_path(const TrainConfig& config);
+
 /// Loads the checkpoint named by --resume (a file; a folder or "latest" in --output-dir: the
 /// checkpoint written last there) and checks it was written by the same plugin; nullopt without
 /// --resume. `from`, when given, receives the file's path.

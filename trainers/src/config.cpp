@@ -31,6 +31,12 @@ class Reader {
     if (!has(name)) return std::nullopt;
     return get<T>(name);
   }
+  /// An optional path: an empty value (`--resume ""`) unsets one that a config gave.
+  std::optional<std::string> maybe_path(const std::string& name) const {
+    std::optional<std::string> v = maybe<std::string>(name);
+    if (v && v->empty()) return std::nullopt;
+    return v;
+  }
   /// "--x" or "run.toml:3:1: x", for messages.
   std::string label(const std::string& name) const {
     return origin_label(name, has(name) ? setting(name).where : "");
@@ -102,7 +108,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.on_non_finite = r.get<std::string>("on-non-finite");
   c.max_consecutive_skips = r.get<int64_t>("max-consecutive-skips");
 
-  const bool grouped = r.has("fused-optimizer-groups");
+  const bool grouped = c.fused_optimizer_groups > 0;  // 0 switches off a config's groups
   if (c.on_non_finite == "skip" && (c.fused_backward_pass || grouped))
     throw Error(r.label("on-non-finite") +
                 ": skip is possible only in normal mode: with --fused-backward-pass or "
@@ -172,7 +178,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.seq_len = r.get<int64_t>("seq-len");
   c.vocab_size = r.get<int64_t>("vocab-size");
   c.image_size = r.get<int64_t>("image-size");
-  c.model_script = r.maybe<std::string>("model-script");
+  c.model_script = r.maybe_path("model-script");
   if (c.model_script) check_readable_file(r.label("model-script"), *c.model_script, "file");
   if (!c.model_script) {
     if (c.model == "transformer" && c.model_width % c.model_heads != 0)
@@ -209,26 +215,41 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.log_every = r.get<int64_t>("log-every");
   c.save_every_n_steps = r.get<int64_t>("save-every-n-steps");
   c.keep_last_n_checkpoints = r.get<int64_t>("keep-last-n-checkpoints");
-  c.resume = r.maybe<std::string>("resume");
-  c.save_model = r.maybe<std::string>("save-model");
+  c.resume = r.maybe_path("resume");
+  c.save_model = r.maybe_path("save-model");
   if (c.resume) {
-    if (c.resume->empty()) throw Error(r.label("resume") + ": must not be empty");
     std::error_code ec;
     if (*c.resume != "latest" && !fs::exists(*c.resume, ec))
       throw Error(r.label("resume") + ": checkpoint " + *c.resume + " does not exist");
+    // A pipe or device would block the trainer (or never end): a checkpoint is a file or folder.
+    if (*c.resume != "latest" && !fs::is_regular_file(*c.resume, ec) &&
+        !fs::is_directory(*c.resume, ec))
+      throw Error(r.label("resume") + ": " + *c.resume +
+                  " is neither a checkpoint file nor a folder of checkpoints");
   }
-  if ((c.save_every_n_steps > 0 || (c.resume && *c.resume == "latest")) && c.output_dir.empty())
-    throw Error(r.label(c.resume ? "resume" : "save-every-n-steps") +
-                ": checkpoints live in --output-dir, which is empty");
+  if (c.resume && *c.resume == "latest" && c.output_dir.empty())
+    throw Error(r.label("resume") +
+                ": latest means the newest checkpoint in --output-dir, which "
+                "is empty; give --output-dir or a checkpoint's path");
+  if (c.save_every_n_steps > 0 && c.output_dir.empty())
+    throw Error(r.label("save-every-n-steps") +
+                ": checkpoints live in --output-dir, which is empty; give one, or "
+                "--save-every-n-steps 0");
   if (c.save_model) {
-    if (c.save_model->empty()) throw Error(r.label("save-model") + ": must not be empty");
     fs::path parent = fs::path(*c.save_model).parent_path();
     std::error_code ec;
     if (c.save_model->back() == '/' || fs::is_directory(*c.save_model, ec))
       throw Error(r.label("save-model") + ": " + *c.save_model +
                   " is a folder; give a file name (e.g. " +
                   (fs::path(*c.save_model) / "model.pt").lexically_normal().string() + ")");
-    if (!parent.empty() && !fs::is_directory(parent, ec))
+    // The output folder (or one below it) is made by the trainer, so it need not exist yet.
+    const auto inside_output_dir = [&] {
+      if (c.output_dir.empty()) return false;
+      const fs::path out = fs::absolute(c.output_dir).lexically_normal();
+      const fs::path rel = fs::absolute(parent).lexically_normal().lexically_relative(out);
+      return !rel.empty() && *rel.begin() != "..";
+    };
+    if (!parent.empty() && !fs::is_directory(parent, ec) && !inside_output_dir())
       throw Error(r.label("save-model") + ": folder " + parent.string() + " does not exist");
   }
   return c;

@@ -97,9 +97,10 @@ std::vector<OptionSpec> build_specs() {
   add(opt("fused-backward-pass", Kind::Flag, false,
           "update each parameter inside backward as soon as its gradient is ready"));
   at_least(add(opt("fused-optimizer-groups", Kind::Int, {},
-                   "split the parameters into N optimizers, each stepped inside backward (N >= 1)",
+                   "split the parameters into N optimizers, each stepped inside backward (N >= 1; "
+                   "0 switches off groups set in a config)",
                    "N")),
-           1);
+           0);
   choices(add(opt("fused-optimizer-groups-split", Kind::Choice, std::string("size"),
                   "how groups are cut: balanced by bytes (size) or by tensor count (count)",
                   "size|count")),
@@ -195,7 +196,9 @@ std::vector<OptionSpec> build_specs() {
                    "denoiser: image side (divisible by 2^(model-depth - 1))", "N")),
            4);
   add(opt("model-script", Kind::Text, {},
-          "train a TorchScript module instead: forward(batch) returns the scalar loss", "FILE"));
+          "train a TorchScript module instead: forward(batch) returns the scalar loss (empty: a "
+          "built-in model)",
+          "FILE"));
 
   section = "Data";
   add(opt("dataset", Kind::Text, std::string("synthetic"),
@@ -216,9 +219,10 @@ std::vector<OptionSpec> build_specs() {
            0);
   add(opt("resume", Kind::Text, {},
           "continue from a checkpoint file, the one written last in a folder, or latest (in "
-          "--output-dir)",
+          "--output-dir); empty: start afresh",
           "PATH|DIR|latest"));
-  add(opt("save-model", Kind::Text, {}, "write the trained parameters to this file", "PATH"));
+  add(opt("save-model", Kind::Text, {}, "write the trained parameters to this file (empty: do not)",
+          "PATH"));
   return v;
 }
 

@@ -1,0 +1,150 @@
+// What the trainer checks before anything trains: folders it cannot write, a --resume that is no
+// checkpoint, every [[runs]] entry's checkpoint; and how a command line unsets a config's choice.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "fusebox/core/checkpoint.h"
+#include "trainer_test_util.h"
+
+using namespace fusebox::trainer::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kQuick = "--optimizer sgd --max-train-steps 3 --threads 1 --log-every 1 ";
+
+// Runs the trainer as an unprivileged user (root writes anywhere, so a read-only folder would
+// not refuse it); empty code -1 when that is not possible here.
+Result run_unprivileged(const std::string& args, const TempDir& d) {
+  std::string prefix;
+  if (::geteuid() == 0) {
+    if (std::system("command -v runuser >/dev/null 2>&1") != 0) return Result{-1, "", ""};
+    prefix = "runuser -u nobody -- ";
+  }
+  const std::string cmd = prefix + std::string(FUSEBOX_BIN_DIR) + "/trainer " + args + " >" +
+                          d.file("stdout.txt") + " 2>" + d.file("stderr.txt");
+  const int status = std::system(cmd.c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_text(d.file("stdout.txt")), r.err = read_text(d.file("stderr.txt"));
+  return r;
+}
+
+}  // namespace
+
+// A folder this user cannot write is refused before the first step, not after the last.
+TEST(TrainerPlanning, AFolderThatCannotBeWrittenIsRefusedBeforeTraining) {
+  TempDir d;
+  ASSERT_EQ(::chmod(d.str().c_str(), 0755), 0);  // others reach the folder below
+  const std::string ro = d.file("ro");
+  fs::create_directories(ro);
+  ASSERT_EQ(::chmod(ro.c_str(), 0555), 0);
+  Result r = run_unprivileged(kQuick + "--output-dir " + ro + "/run", d);
+  if (r.code == -1) GTEST_SKIP() << "no unprivileged user to run as";
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(
+      r.err.find("trainer: error: --output-dir: cannot write in " + ro + " (Permission denied)"),
+      std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("step 1/"), std::string::npos) << "it trained first: " << r.out;
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+
+  r = run_unprivileged(kQuick + "--output-dir '' --save-model " + ro + "/model.pt", d);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("trainer: error: --save-model: cannot write in " + ro), std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("step 1/"), std::string::npos) << r.out;
+}
+
+TEST(TrainerPlanning, SaveModelMayGoIntoTheOutputFolderItMakes) {
+  TempDir d;
+  Result r = run_program(
+      kQuick + "--output-dir " + d.file("new/run") + " --save-model " + d.file("new/run/model.pt"),
+      d.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::is_regular_file(d.file("new/run/model.pt")));
+  r = run_program(
+      kQuick + "--output-dir " + d.file("out") + " --save-model " + d.file("elsewhere/model.pt"),
+      d.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--save-model: folder " + d.file("elsewhere") + " does not exist"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST(TrainerPlanning, AResumeThatIsNoCheckpointFileOrFolderIsRefused) {
+  TempDir d;
+  const std::string fifo = d.file("pipe");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  Result r = run_program(kQuick + "--output-dir " + d.file("out") + " --resume " + fifo, d.str());
+  EXPECT_EQ(r.code, 2) << "a pipe would block the trainer: " << r.err;
+  EXPECT_NE(r.err.find("--resume: " + fifo + " is neither a checkpoint file nor a folder"),
+            std::string::npos)
+      << r.err;
+  // Saving periodically without an output folder blames the option that asks for it.
+  r = run_program(kQuick + "--output-dir '' --save-every-n-steps 2 --resume " + fifo, d.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--resume"), std::string::npos) << "the pipe first: " << r.err;
+  r = run_program(kQuick + "--output-dir '' --save-every-n-steps 2", d.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("trainer: error: --save-every-n-steps: checkpoints live in --output-dir"),
+            std::string::npos)
+      << r.err;
+}
+
+// The command line overrides the config: an empty path unsets one, groups 0 switch groups off.
+TEST(TrainerPlanning, TheCommandLineUnsetsAConfigsResumeSaveModelAndGroups) {
+  TempDir d;
+  const std::string config = d.write("run.toml",
+                                     "optimizer = \"sgd\"\n"
+                                     "fused_optimizer_groups = 2\n"
+                                     "resume = \"latest\"\n"
+                                     "save_model = \"" +
+                                         d.file("model.pt") + "\"\n");
+  Result r = run_program("--config " + config + " --max-train-steps 2 --threads 1 --output-dir " +
+                             d.file("out") +
+                             " --resume '' --save-model '' --fused-optimizer-groups 0 "
+                             "--fused-backward-pass",
+                         d.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("(fused"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(d.file("model.pt")));
+  EXPECT_EQ(r.out.find("resuming"), std::string::npos) << r.out;
+}
+
+// Every [[runs]] entry's checkpoint is looked up before the first run trains; a later run that
+// fails in its set-up after an earlier one trained is named, with exit 3 (something trained).
+TEST(TrainerPlanning, EveryRunsCheckpointIsFoundBeforeAnyRunTrains) {
+  TempDir d;
+  const std::string config = d.write("runs.toml",
+                                     "optimizer = \"sgd\"\n"
+                                     "max_train_steps = 3\n"
+                                     "threads = 1\n"
+                                     "output_dir = \"" +
+                                         d.file("out") +
+                                         "\"\n"
+                                         "[[runs]]\nname = \"a\"\n"
+                                         "[[runs]]\nname = \"b\"\nmodel_width = 32\n");
+  Result r = run_program("--config " + config + " --run a", d.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_program("--config " + config + " --max-train-steps 6 --resume latest", d.str());
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("trainer: error: run 'b': --resume latest: no checkpoint-*.fbx in"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(d.file("out/a/" + fusebox::checkpoint_name(6)))) << "run a trained";
+
+  // b's checkpoint exists but is of another model width: found only when b starts.
+  r = run_program("--config " + config + " --run b --model-width 16", d.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_program("--config " + config + " --max-train-steps 6 --resume latest", d.str());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("trainer: error: run 'b': --resume"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("(after 1 earlier run(s) completed)"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::exists(d.file("out/a/" + fusebox::checkpoint_name(6))));
+}
