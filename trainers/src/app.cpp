@@ -18,6 +18,7 @@
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/messages.h"
 #include "fusebox/core/suggest.h"
+#include "interrupt.h"
 #include "launch.h"
 #include "options.h"
 #include "run.h"
@@ -250,9 +251,21 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   Console console{dist.leader() ? out : silent, err, terminal && dist.leader()};
   std::vector<RunSummary> summaries;
   for (auto& p : plan) {
+    if (const int sig = interrupt_signal(); sig != 0 && !summaries.empty()) {
+      if (dist.leader())
+        err << ("trainer: stopped by " + signal_name(sig) + " after " +
+                std::to_string(summaries.size()) + " run(s); the others did not start\n")
+            << std::flush;
+      return 128 + sig;
+    }
     RunSummary s;
     try {
       s = run_training(p.config, *p.plugin, p.hyperparams, console, dist);
+    } catch (const Interrupted& stopped) {
+      // Not a failure: the run saved its state and can be resumed. Rank 0 speaks for the job.
+      console.out.flush();
+      if (dist.leader()) err << ("trainer: " + std::string(stopped.what()) + "\n") << std::flush;
+      return 128 + stopped.signal();
     } catch (const TrainingFailed&) {
       throw;  // already names its run
     } catch (const Error& ex) {

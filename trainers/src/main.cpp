@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "app.h"
+#include "interrupt.h"
 #include "launch.h"
 
 int main(int argc, char** argv) {
@@ -15,6 +16,7 @@ int main(int argc, char** argv) {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   fusebox::trainer::allow_self_launch();
+  fusebox::trainer::install_interrupt_handlers();
   std::vector<std::string> args(argv + 1, argv + argc);
   return fusebox::trainer::trainer_main(args, std::cout, std::cerr, ::isatty(STDOUT_FILENO) != 0);
 }

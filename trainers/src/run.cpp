@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 
@@ -20,6 +21,7 @@
 #include "fusebox/core/messages.h"
 #include "fusebox/core/step_mode.h"
 #include "fusebox/core/threads.h"
+#include "interrupt.h"
 #include "model.h"
 
 namespace fusebox::trainer {
@@ -73,11 +75,16 @@ Batch shard(Batch b, int rank, int world) {
 }
 
 // The mean of `value` over the ranks (every rank must call it).
-double mean_over_ranks(double value, const Distributed& dist) {
+// The mean of `value` over the ranks. `stop` rides along in the same reduction: in, whether this
+// rank was asked to stop (a signal); out, whether any rank was, so all stop after the same step.
+double mean_over_ranks(double value, const Distributed& dist, bool& stop) {
   if (!dist.comm) return value;
-  at::Tensor t = at::full({1}, value, at::kDouble);
+  at::Tensor t = at::empty({2}, at::kDouble);
+  t[0] = value;
+  t[1] = stop ? 1.0 : 0.0;
   if (auto p = dist.comm->sum(t)) p->wait();
-  return t.item<double>() / dist.config.world_size;
+  stop = t[1].item<double>() > 0;
+  return t[0].item<double>() / dist.config.world_size;
 }
 
 std::string scale_text(double scale) {
@@ -306,11 +313,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << (mode->optimizers().size() == 1 ? "" : "s") << "); threads: " << used.intra_op
           << " intra-op"
           << (used.blas > 0 ? ", " + std::to_string(used.blas) + " OpenBLAS" : std::string())
-          << "\n";
+          << "\n"
+          << std::flush;  // a log redirected to a file has it even if the run is killed
 
   if (resumed)
     con.out << (c.name.empty() ? "" : "[" + c.name + "] ") << "resuming from " << resumed_from
-            << " (step " << first_step << ")\n";
+            << " (step " << first_step << ")\n"
+            << std::flush;
   if (!c.output_dir.empty() && dist.leader()) {
     remove_stale_temporaries(c.output_dir);  // from killed runs
     const size_t earlier = list_checkpoints(c.output_dir).size();
@@ -345,6 +354,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   // ---- training: errors here are failures of the run
   const Clock::time_point start = Clock::now();
   bool first = true;
+  bool stop_requested = false;  // a signal, on any rank: save and stop after this step
   int64_t step = first_step;
   try {
     for (step = first_step + 1; step <= c.max_train_steps; ++step) {
@@ -371,8 +381,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           loss = loss / static_cast<double>(c.gradient_accumulation_steps);
         // Averaged over the ranks: the logged loss is the global batch's, and every rank takes
         // the same decision on a non-finite loss.
+        bool stop = interrupt_signal() != 0;
         const double loss_value =
-            mean_over_ranks(loss.detach().to(at::kDouble).item<double>(), dist);
+            mean_over_ranks(loss.detach().to(at::kDouble).item<double>(), dist, stop);
+        stop_requested = stop_requested || stop;
         if (!std::isfinite(loss_value)) {
           // Caught before backward: in fused and grouped modes nothing has been updated yet.
           if (c.on_non_finite == "stop")
@@ -447,7 +459,25 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       // Metrics first: after a kill they cover at least the newest checkpoint's steps.
       if (checkpoint_due(c, step, final) && dist.leader()) files.snapshot();
       save_checkpoint_if_due(ckpt_ctx, step, final);
+      if (!dist.comm) stop_requested = stop_requested || interrupt_signal() != 0;
+      if (stop_requested && !final) {
+        if (!checkpoint_due(c, step, false)) {
+          if (checkpoint_due(c, step, true) && dist.leader()) files.snapshot();
+          save_checkpoint_if_due(ckpt_ctx, step, /*final=*/true);
+        }
+        progress.finish();
+        const int sig = interrupt_signal();
+        throw Interrupted(
+            sig, failed_in + "stopped by " + signal_name(sig != 0 ? sig : SIGTERM) +
+                     " after step " + std::to_string(step) +
+                     (c.output_dir.empty()
+                          ? std::string(" (no --output-dir: nothing was saved)")
+                          : ": saved " + (fs::path(c.output_dir) / checkpoint_name(step)).string() +
+                                "; continue with --resume latest"));
+      }
     }
+  } catch (const Interrupted&) {
+    throw;
   } catch (const std::exception& e) {
     progress.finish();
     throw TrainingFailed(failed_in + "training failed at step " + std::to_string(step) + ": " +
