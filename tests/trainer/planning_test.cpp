@@ -148,3 +148,33 @@ TEST(TrainerPlanning, EveryRunsCheckpointIsFoundBeforeAnyRunTrains) {
   EXPECT_NE(r.err.find("(after 1 earlier run(s) completed)"), std::string::npos) << r.err;
   EXPECT_TRUE(fs::exists(d.file("out/a/" + fusebox::checkpoint_name(6))));
 }
+
+// Two trainers writing one output folder at once would interleave their metrics and checkpoints:
+// the second is refused, naming the first, and the folder is free again once the first ends.
+TEST(TrainerPlanning, ASecondTrainerInAFolderInUseIsRefused) {
+  TempDir d;
+  const std::string trainer = std::string(FUSEBOX_BIN_DIR) + "/trainer";
+  const std::string args = "--optimizer sgd --threads 1 --log-every 1 --output-dir " +
+                           d.file("out") + " --max-train-steps ";
+  const std::string script = d.write(
+      "two.sh",
+      "cd \"$(dirname \"$0\")\"\ntimeout -k 30 300 " + trainer + " " + args +
+          "100000000 >first.out 2>first.err & p=$!\n" +
+          R"sh(for i in $(seq 1200); do grep -q "step 3/" first.out 2>/dev/null && break; sleep 0.1; done
+echo $p >pid
+)sh" + "timeout -k 5 120 " +
+          trainer + " " + args + "3 >second.out 2>second.err\necho $? >code\n" +
+          "kill -TERM $p; wait $p\ntrue\n");
+  ASSERT_EQ(std::system(("bash " + script).c_str()), 0);
+  const std::string err = read_text(d.file("second.err"));
+  EXPECT_EQ(read_text(d.file("code")), "2\n") << err;
+  EXPECT_NE(err.find("trainer: error: --output-dir: another trainer (pid "), std::string::npos)
+      << err;
+  EXPECT_NE(err.find(") is writing " + d.file("out") + "; wait for it to finish"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(read_text(d.file("second.out")).find("step 1/"), std::string::npos);
+  // The first has stopped (SIGTERM): the folder is free again.
+  const Result r = run_program(args + "2", d.str());
+  EXPECT_EQ(r.code, 0) << r.err;
+}

@@ -10,6 +10,13 @@
 #include <memory>
 #include <sstream>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/error.h"
@@ -172,6 +179,40 @@ std::string records_up_to(const fs::path& file, int64_t step, const std::string&
 }
 
 }  // namespace
+
+OutputFolderLock::OutputFolderLock(const std::string& folder) {
+  std::error_code ec;
+  fs::create_directories(folder, ec);
+  if (ec) throw Error("--output-dir: cannot create " + folder + ": " + ec.message());
+  const fs::path path = fs::path(folder) / ".fusebox-lock";
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0)
+    throw Error("--output-dir: cannot create " + path.string() + " (" + std::strerror(errno) +
+                "); check that the folder is writable");
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const bool taken = errno == EWOULDBLOCK;
+    const std::string reason = std::strerror(errno);
+    char pid[32] = {};
+    const ssize_t n = ::pread(fd_, pid, sizeof pid - 1, 0);
+    ::close(fd_);
+    fd_ = -1;
+    std::string holder = n > 0 ? std::string(pid, static_cast<size_t>(n)) : "";
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    if (taken)
+      throw Error("--output-dir: another trainer" +
+                  (holder.empty() ? std::string() : " (pid " + holder + ")") + " is writing " +
+                  folder + "; wait for it to finish or choose another --output-dir");
+    throw Error("--output-dir: cannot lock " + path.string() + " (" + reason + ")");
+  }
+  const std::string mine = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) == 0 && ::pwrite(fd_, mine.data(), mine.size(), 0) < 0) {
+    // The pid is only for the message above; the lock itself is what counts.
+  }
+}
+
+OutputFolderLock::~OutputFolderLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock; the file stays for the next run
+}
 
 MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups,
                                     bool loss_scale) {

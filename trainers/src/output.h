@@ -47,6 +47,21 @@ std::string summary_text(const RunSummary& s);
 /// Side-by-side table of several runs.
 std::string comparison_table(const std::vector<RunSummary>& runs);
 
+/// Holds an output folder for one run: a lock on `<folder>/.fusebox-lock` (with the holder's pid)
+/// that a second trainer writing the same folder at the same time is refused by, instead of both
+/// interleaving metrics and checkpoints. The lock goes with the process, however it ends.
+class OutputFolderLock {
+ public:
+  /// Creates the folder if needed; throws fusebox::Error naming the holder when it is taken.
+  explicit OutputFolderLock(const std::string& folder);
+  ~OutputFolderLock();
+  OutputFolderLock(const OutputFolderLock&) = delete;
+  OutputFolderLock& operator=(const OutputFolderLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 /// Metrics records carried over from the run a resumed checkpoint belongs to.
 struct MetricsHistory {
   std::string jsonl;     ///< metrics.jsonl lines of steps up to the resume point

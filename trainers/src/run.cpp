@@ -320,7 +320,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     con.out << (c.name.empty() ? "" : "[" + c.name + "] ") << "resuming from " << resumed_from
             << " (step " << first_step << ")\n"
             << std::flush;
+  std::optional<OutputFolderLock> folder_lock;  // held until the run ends
   if (!c.output_dir.empty() && dist.leader()) {
+    folder_lock.emplace(c.output_dir);
     remove_stale_temporaries(c.output_dir);  // from killed runs
     const size_t earlier = list_checkpoints(c.output_dir).size();
     if (!resumed && earlier > 0)
