@@ -100,10 +100,12 @@ class C10dCommunicator final : public Communicator {
                                        ? tensors[0]
                                        : flatten(tensors, /*keep_type=*/true)};
     const bool in_place = buffer[0].is_same(tensors[0]);
+    at::Tensor flat = buffer[0];
+    // Gloo has no bfloat16; a broadcast only copies bytes, so its bits travel as half (same size).
+    if (flat.scalar_type() == at::kBFloat16) buffer[0] = flat.view(at::kHalf);
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     auto work = launch("broadcast", [&] { return pg_->broadcast(buffer, opts); });
-    at::Tensor flat = buffer[0];
     return std::make_unique<C10dPending>(work, what("broadcast"), config_.timeout,
                                          [flat, tensors, in_place] {
                                            at::NoGradGuard no_grad;

@@ -263,3 +263,56 @@ true
 }
 
 }  // namespace
+
+namespace {
+
+// bf16 parameters (--full-bf16) travel in the start-up broadcast, and with ZeRO-1 in the owners'
+// broadcasts, though Gloo has no bfloat16 type: every mode trains, and the ranks end alike.
+TEST(TrainerDistributed, FullBf16TrainsInEveryMode) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  const std::string base =
+      "--plugin-dir " + std::string(FUSEBOX_PLUGIN_DIR) +
+      " --model transformer --model-width 16 --model-depth 2 --seq-len 8 --train-batch-size 4 "
+      "--threads 1 --optimizer adamw --max-train-steps 3 --full-bf16 --nproc-per-node 2 ";
+  for (const std::string mode :
+       {"", "--fused-backward-pass", "--fused-optimizer-groups 2", "--shard-optimizer-state"}) {
+    SCOPED_TRACE(mode.empty() ? "normal" : mode);
+    Result r = train(d, "bf16", base + mode);
+    ASSERT_EQ(r.code, 0) << r.err;
+    for (const auto& [name, t] : weights(d, "bf16"))
+      EXPECT_EQ(t.scalar_type(), at::kBFloat16) << name;
+  }
+}
+
+// Ranks started by hand with different settings are refused at once, naming the difference,
+// instead of training different things or stopping in a collective of another size.
+TEST(TrainerDistributed, RanksStartedWithDifferentSettingsAreRefused) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  const std::string trainer = std::string(FUSEBOX_BIN_DIR) + "/trainer";
+  const std::string args = common("adamw", 3) + " --output-dir out --dist-timeout 60";
+  const std::string script =
+      d.write("two.sh",
+              "cd \"$(dirname \"$0\")\"\n"
+              "export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + $$ % 20000))\n"
+              "RANK=1 timeout -k 5 120 " +
+                  trainer + " " + args +
+                  " --learning-rate 0.002 >r1.out 2>r1.err & p1=$!\n"
+                  "RANK=0 timeout -k 5 120 " +
+                  trainer + " " + args +
+                  " --learning-rate 0.001 >r0.out 2>r0.err\n"
+                  "echo $? >code0\nwait $p1\necho $? >code1\n");
+  ASSERT_EQ(std::system(("bash " + script).c_str()), 0);
+  for (int r = 0; r < 2; ++r) {
+    const std::string err = read_text(d.file("r" + std::to_string(r) + ".err"));
+    EXPECT_EQ(read_text(d.file("code" + std::to_string(r))), "2\n") << err;
+    EXPECT_NE(err.find("rank 1 was started with other settings than rank 0 (learning_rate = "
+                       "0.002 against learning_rate = 0.001)"),
+              std::string::npos)
+        << err;
+    EXPECT_EQ(count_lines(err), 1) << err;
+  }
+}
+
+}  // namespace

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <set>
+#include <sstream>
 
 #include "checkpoint.h"
 #include "config.h"
@@ -110,6 +111,46 @@ void check_writable_folder(const std::string& dir, const std::string& what) {
 }
 
 void check_output_dir(const std::string& dir) { check_writable_folder(dir, "--output-dir"); }
+
+// The settings every rank of a job must share, one `key = value` a line: the resolved config
+// without what is local to a rank or machine (paths, thread counts, output), plus the plugin.
+std::string shared_settings(const std::vector<PlannedRun>& plan) {
+  static const std::set<std::string> local{
+      "optimizer_plugin", "plugin_dir",   "allow_insecure_plugins",
+      "threads",          "blas_threads", "nproc_per_node",
+      "output_dir",       "log_every",    "save_model",
+      "model_script",     "resume",       "dist_timeout"};
+  std::string out;
+  for (const auto& p : plan) {
+    std::istringstream in(p.config.resolved_config);
+    for (std::string line; std::getline(in, line);) {
+      if (line.empty() || line[0] == '#') continue;
+      const std::string key = line.substr(0, line.find(' '));
+      if (local.count(key)) continue;
+      if (key == "dataset") line = line.substr(0, line.find(':'));  // text:PATH: the kind only
+      out += line + "\n";
+    }
+    out += "plugin = " + p.plugin->info().name + " " + p.plugin->info().version + "\n";
+  }
+  return out;
+}
+
+// Ranks started by hand (or by torchrun) with different settings would train different things,
+// or stop in a collective of another size; refuse that at once, naming the first difference.
+void check_ranks_agree(Communicator& comm, const std::vector<PlannedRun>& plan) {
+  const std::vector<std::string> all = all_gather_bytes(comm, shared_settings(plan));
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    std::istringstream a(all[0]), b(all[r]);
+    std::string la, lb;
+    while (std::getline(a, la) && std::getline(b, lb) && la == lb) {
+    }
+    throw Error("rank " + std::to_string(r) + " was started with other settings than rank 0 (" +
+                (lb.empty() ? "a missing setting" : lb) + " against " +
+                (la.empty() ? "a missing setting" : la) +
+                "); start every rank with the same options and config");
+  }
+}
 
 std::string run_model_path(const std::string& path, const std::string& name) {
   if (name.empty()) return path;
@@ -246,6 +287,7 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     dist.config.timeout =
         std::chrono::milliseconds(static_cast<int64_t>(plan.front().config.dist_timeout * 1000));
     dist.comm = connect(dist.config);
+    check_ranks_agree(*dist.comm, plan);
   }
   std::ostream silent(nullptr);  // ranks other than 0 print only warnings and errors
   Console console{dist.leader() ? out : silent, err, terminal && dist.leader()};
