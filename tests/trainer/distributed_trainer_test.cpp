@@ -227,6 +227,22 @@ TEST(TrainerDistributed, BadSettingsAreOneLineErrorsBeforeAnyRankStarts) {
   r = run_program(common("adamw", 2) + " --output-dir \"\" --nproc-per-node 0", d.str());
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("--nproc-per-node"), std::string::npos) << r.err;
+  // The job's shape is set once: a [[runs]] table's own would be ignored.
+  const std::string runs = d.write("runs.toml",
+                                   "[[runs]]\nname = \"dp\"\nnproc_per_node = 2\n"
+                                   "[[runs]]\nname = \"one\"\n");
+  r = run_program(common("adamw", 2) + " --output-dir \"\" --config " + runs, d.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("runs.toml:3:18: nproc_per_node: set for the whole job"), std::string::npos)
+      << r.err;
+  // WORLD_SIZE=1 left in the environment (a scheduler's) would make this one rank of one.
+  ::setenv("WORLD_SIZE", "1", 1);
+  r = run_program(common("adamw", 2) + " --output-dir \"\" --nproc-per-node 2", d.str());
+  ::unsetenv("WORLD_SIZE");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--nproc-per-node 2: WORLD_SIZE=1 is set in the environment"),
+            std::string::npos)
+      << r.err;
 }
 
 }  // namespace

@@ -211,6 +211,12 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   // Everything is checked, for every run, before any work starts.
   std::vector<PlannedRun> plan;
   for (const auto& e : entries) {
+    // The job's shape is one for all runs: a run's own value would be ignored.
+    for (const char* job_wide : {"nproc-per-node", "dist-timeout"})
+      if (auto it = e.layer.values.find(job_wide); it != e.layer.values.end())
+        throw Error(origin_label(job_wide, it->second.where) +
+                    ": set for the whole job, at the "
+                    "top of the config or on the command line, not in a [[runs]] table");
     Layer merged = base;
     merged.overlay(e.layer);
     merged.overlay(cl.layer);
@@ -251,6 +257,14 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
 
   // Data parallel: --nproc-per-node starts the ranks; a rank joins the job.
   const int64_t nproc = std::get<int64_t>(top.values.at("nproc-per-node").value);
+  if (nproc > 1 && launched_as_rank()) {
+    const char* w = std::getenv("WORLD_SIZE");
+    if (std::strtoll(w, nullptr, 10) < nproc)
+      throw Error("--nproc-per-node " + std::to_string(nproc) + ": WORLD_SIZE=" + w +
+                  " is set in the environment, as for one rank of a running job; unset it to "
+                  "start " +
+                  std::to_string(nproc) + " ranks here");
+  }
   const bool launching = nproc > 1 && !launched_as_rank();
   Distributed dist;
   dist.config = launching ? DistributedConfig{} : distributed_config_from_env();
