@@ -151,14 +151,18 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   const TrainConfig& c = ctx.config;
   if (!checkpoint_due(c, step, final)) return;
   // Every rank gets here at the same steps (the decision above is the same on all of them).
+  const bool sharded = ctx.sharded && ctx.comm;
+  if (!ctx.leader && !sharded) return;  // rank 0 holds every parameter's state and writes
   Checkpoint ckpt;
   ckpt.optimizer = merged_optimizer_state(ctx.mode.optimizers());
-  if (ctx.sharded && ctx.comm) {
-    // Each rank holds the state of its parameters only: gather every share on every rank.
+  if (sharded) {
+    // Each rank holds the state of its parameters only: rank 0 gathers every share (the others
+    // keep theirs alone, so sharding saves their memory also while a checkpoint is written).
     Checkpoint mine;
     mine.optimizer = std::move(ckpt.optimizer);
-    const std::vector<std::string> parts = all_gather_bytes(*ctx.comm, encode_checkpoint(mine));
+    const std::vector<std::string> parts = gather_bytes(*ctx.comm, encode_checkpoint(mine), 0);
     ckpt.optimizer.clear();
+    if (!ctx.leader) return;
     for (size_t r = 0; r < parts.size(); ++r)
       for (auto& [k, t] :
            parse_checkpoint(parts[r], "state of rank " + std::to_string(r)).optimizer)

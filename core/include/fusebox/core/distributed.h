@@ -78,6 +78,9 @@ void broadcast_parameters(Communicator& comm, const std::vector<at::Tensor>& par
 
 /// Every rank's `mine`, indexed by rank, on every rank (sizes may differ); blocks.
 std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string& mine);
+/// Every rank's `mine`, indexed by rank, on rank `root` only (elsewhere: empty); blocks. Other
+/// ranks hold at most one rank's bytes at a time (a sharded optimizer state stays sharded).
+std::vector<std::string> gather_bytes(Communicator& comm, const std::string& mine, int root);
 
 /// A TCP port free on 127.0.0.1 right now (the kernel's pick), e.g. for MASTER_PORT of a job on
 /// one machine. Throws Error when no socket can be bound.
