@@ -293,3 +293,26 @@ TEST(TrainerResume, AnotherPluginVersionIsNamedInAWarning) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.err.find("was written by sgd 0.0.1-old, this is "), std::string::npos) << r.err;
 }
+
+// A resume with settings that change the trajectory (another seed swaps the data's teacher) is
+// named in a warning; what is meant to change on resume (the step mode, the output folder) is not.
+TEST(TrainerResume, ChangedSettingsAreNamedInAWarning) {
+  TempDir tmp;
+  const std::string a = tmp.file("a");
+  auto r = run_trainer(with(base_args(a, "sgd", 4), {"--save-every-n-steps", "2"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string ckpt = a + "/" + fusebox::checkpoint_name(2);
+  r = run_trainer(with(base_args(tmp.file("b"), "sgd", 4),
+                       {"--resume", ckpt, "--fused-optimizer-groups", "2"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err.find("settings differ"), std::string::npos) << r.err;
+  r = run_trainer(with(base_args(tmp.file("c"), "sgd", 6),
+                       {"--resume", ckpt, "--seed", "7", "--train-batch-size", "2"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(
+      r.err.find("trainer: warning: --resume: settings differ from the run that wrote " + ckpt +
+                 ": max_train_steps = 6 (was 4), seed = 7 (was 42), "
+                 "train_batch_size = 2 (was 4); this run goes on with its own"),
+      std::string::npos)
+      << r.err;
+}

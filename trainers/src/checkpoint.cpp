@@ -3,6 +3,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
 
 #include "fusebox/core/distributed.h"
 #include "fusebox/core/messages.h"
@@ -107,6 +110,76 @@ std::string short_text(double v) {
 }
 
 }  // namespace
+
+namespace {
+
+// A resolved config's settings, "table.key" -> value text (comments and unset keys left out).
+std::map<std::string, std::string> settings_of(const std::string& toml) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(toml);
+  std::string table;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    if (line[0] == '[') {
+      table = line.substr(1, line.find(']') - 1) + ".";
+      continue;
+    }
+    const size_t eq = line.find(" = ");
+    if (eq != std::string::npos) out[table + line.substr(0, eq)] = line.substr(eq + 3);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c) {
+  auto it = ckpt.meta.find("config");
+  if (it == ckpt.meta.end()) return "";
+  // What may change on resume by design (output, threads, the step mode, the world, the device,
+  // the number of steps with a constant schedule) or has its own message (the loss scale).
+  static const std::set<std::string> free{"optimizer_plugin",
+                                          "plugin_dir",
+                                          "allow_insecure_plugins",
+                                          "fused_backward_pass",
+                                          "fused_optimizer_groups",
+                                          "fused_optimizer_groups_split",
+                                          "on_non_finite",
+                                          "max_consecutive_skips",
+                                          "loss_scale_value",
+                                          "device",
+                                          "threads",
+                                          "blas_threads",
+                                          "nproc_per_node",
+                                          "dist_timeout",
+                                          "dist_bucket_mb",
+                                          "shard_optimizer_state",
+                                          "model_script",
+                                          "output_dir",
+                                          "log_every",
+                                          "save_every_n_steps",
+                                          "keep_last_n_checkpoints",
+                                          "resume",
+                                          "save_model"};
+  const auto before = settings_of(it->second), now = settings_of(c.resolved_config);
+  std::string out;
+  int shown = 0, more = 0;
+  auto note = [&](const std::string& key, const std::string& was, const std::string& is) {
+    if (free.count(key) || (key == "max_train_steps" && c.lr_scheduler == "constant")) return;
+    if (shown == 4) return void(++more);
+    out += (shown++ ? ", " : "") + key + " = " + is + " (was " + was + ")";
+  };
+  for (const auto& [key, is] : now) {
+    auto b = before.find(key);
+    if (b == before.end())
+      note(key, "unset", is);
+    else if (b->second != is)
+      note(key, b->second, is);
+  }
+  for (const auto& [key, was] : before)
+    if (!now.count(key)) note(key, was, "unset");
+  if (more) out += " and " + std::to_string(more) + " more";
+  return out;
+}
 
 std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
   auto it = ckpt.meta.find("loss_scale");

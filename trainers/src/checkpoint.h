@@ -73,6 +73,11 @@ struct CheckpointContext {
 /// starts at the configured value instead: the returned text says so ("" when restored).
 std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler);
 
+/// The settings of this run that differ from those of the run that wrote `ckpt` ("seed = 7 (was
+/// 42), ..."), leaving out what is meant to change on resume (output, threads, step mode, world
+/// size, device, more steps of a constant schedule); "" when none differ.
+std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& config);
+
 /// True when a checkpoint is saved after `step` steps: every --save-every-n-steps, and when
 /// `final`, if --output-dir is set.
 bool checkpoint_due(const TrainConfig& config, int64_t step, bool final);

@@ -210,6 +210,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   // Parameters are restored before the step mode exists, so its hooks see the resumed tensors.
   std::string resumed_from;
   const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin, &resumed_from);
+  if (resumed && dist.leader())
+    if (const std::string changed = settings_changed_since(*resumed, c); !changed.empty())
+      con.err << ("trainer: warning: --resume: settings differ from the run that wrote " +
+                  resumed_from + ": " + changed +
+                  "; this run goes on with its own settings, so it will not equal an uninterrupted "
+                  "run\n")
+              << std::flush;
   if (resumed && dist.leader() && resumed->meta.count("plugin_version") &&
       resumed->meta.at("plugin_version") != plugin.info().version)
     con.err << ("trainer: warning: --resume: " + resumed_from + " was written by " +
