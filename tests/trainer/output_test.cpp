@@ -86,10 +86,24 @@ TEST(MetricsFiles, AResumedRunKeepsWholeRecordsUpToItsCheckpoint) {
   std::ofstream(tmp.file("metrics.jsonl"), std::ios::app) << "{\"step\":6,\"lo";
   std::ofstream(tmp.file("metrics.csv"), std::ios::app) << "6,0.1";
 
-  const MetricsHistory all = read_metrics_history(tmp.str(), 6, 1);
+  const MetricsHistory all = read_metrics_history(tmp.str(), 5, 1);
   EXPECT_EQ(count_lines(all.jsonl), 5) << all.jsonl;
   EXPECT_EQ(all.jsonl.find("\"step\":6"), std::string::npos) << all.jsonl;
   EXPECT_EQ(count_lines(all.csv_rows), 5) << all.csv_rows;
+  EXPECT_FALSE(all.not_the_checkpoints_run);
+  // A checkpoint of step 6 with step 6 cut short is not this history: nothing is carried.
+  const MetricsHistory six = read_metrics_history(tmp.str(), 6, 1);
+  EXPECT_TRUE(six.jsonl.empty());
+  EXPECT_TRUE(six.not_the_checkpoints_run);
+  // The checkpoint's own last record must close the history: another run's step 5 does not.
+  std::string fifth;
+  {
+    std::istringstream in(read_text(tmp.file("metrics.jsonl")));
+    for (int i = 0; i < 5; ++i) std::getline(in, fifth);
+  }
+  EXPECT_FALSE(read_metrics_history(tmp.str(), 5, 1, false, &fifth).not_the_checkpoints_run);
+  const std::string other = fifth + " ";
+  EXPECT_TRUE(read_metrics_history(tmp.str(), 5, 1, false, &other).not_the_checkpoints_run);
 
   const MetricsHistory three = read_metrics_history(tmp.str(), 3, 1);
   EXPECT_EQ(count_lines(three.jsonl), 3);

@@ -316,3 +316,23 @@ TEST(TrainerResume, ChangedSettingsAreNamedInAWarning) {
       std::string::npos)
       << r.err;
 }
+
+// A folder another run has written since the checkpoint (a fresh run into it) does not lend that
+// run's records as the resumed run's history: a warning, and the files start after the resume.
+TEST(TrainerResume, MetricsOfAnotherRunAreNotTakenAsTheHistory) {
+  TempDir tmp;
+  const std::string a = tmp.file("a");
+  auto r = run_trainer(with(base_args(a, "sgd", 6), {"--save-every-n-steps", "3"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_trainer(with(base_args(a, "sgd", 2), {"--seed", "5"}));  // replaces the metrics files
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run_trainer(with(base_args(a, "sgd", 8), {"--resume", a + "/" + fusebox::checkpoint_name(6),
+                                                "--lr-scheduler", "constant"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("are not the history of steps 1..6 of the run that wrote the checkpoint"),
+            std::string::npos)
+      << r.err;
+  const std::string text = read_text(a + "/metrics.jsonl");
+  EXPECT_EQ(count_lines(text), 2) << text;
+  EXPECT_EQ(text.rfind("{\"step\":7,", 0), 0u) << text;
+}

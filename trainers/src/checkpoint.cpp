@@ -251,6 +251,8 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.counters["step"] = step;
   ckpt.counters["scheduler_steps"] = ctx.scheduler.step_count();
   if (ctx.skipped_in_a_row) ckpt.counters["skipped_in_a_row"] = *ctx.skipped_in_a_row;
+  if (ctx.last_metrics_record && !ctx.last_metrics_record->empty())
+    ckpt.meta["last_metrics_record"] = *ctx.last_metrics_record;
   if (ctx.loss_scaler) {
     // Hexadecimal: the scale comes back bit for bit. The mode and configured start let a resumed
     // run tell a continued scale from one the user chose anew.

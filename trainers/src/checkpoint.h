@@ -65,6 +65,7 @@ struct CheckpointContext {
   bool sharded = false;                ///< ZeRO-1: the state is gathered from every rank first
   const int64_t* skipped_in_a_row = nullptr;  ///< saved as a counter when given
   const LossScaler* loss_scaler = nullptr;    ///< its scale and progress are saved when given
+  const std::string* last_metrics_record = nullptr;  ///< saved when given (see MetricsFiles)
 };
 
 /// Continues `scaler` from the scale a checkpoint saved (a dynamic scale goes on where it was);

@@ -215,10 +215,25 @@ OutputFolderLock::~OutputFolderLock() {
 }
 
 MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups,
-                                    bool loss_scale) {
+                                    bool loss_scale, const std::string* last_record) {
   MetricsHistory h;
   const std::string header = csv_header(num_groups, loss_scale);
   h.jsonl = records_up_to(fs::path(folder) / "metrics.jsonl", step, "{\"step\":", nullptr);
+  // Steps 1..step, each once and in order, ending with the checkpoint's own last record.
+  std::istringstream in(h.jsonl);
+  int64_t expected = 1;
+  std::string line, last;
+  bool ok = true;
+  while (ok && std::getline(in, line)) {
+    ok = record_step(line, "{\"step\":") == expected++;
+    last = line;
+  }
+  ok = ok && expected == step + 1 && (!last_record || last == *last_record);
+  if (!ok) {
+    h.not_the_checkpoints_run = !h.jsonl.empty() || fs::exists(fs::path(folder) / "metrics.jsonl");
+    h.jsonl.clear();
+    return h;
+  }
   h.csv_rows =
       records_up_to(fs::path(folder) / "metrics.csv", step, "", &header, &h.csv_columns_differ);
   return h;
@@ -246,8 +261,9 @@ void MetricsFiles::add(const StepMetrics& m) {
     << ",\"step_seconds\":" << json_number(m.step_seconds) << ",\"peak_bytes\":" << m.peak_bytes
     << ",\"peak_phase\":" << json_string(m.peak_phase);
   if (loss_scale_) j << ",\"loss_scale\":" << json_number(m.loss_scale);
-  j << "}\n";
-  jsonl_ += j.str();
+  j << "}";
+  last_record_ = j.str();
+  jsonl_ += last_record_ + "\n";
   std::ostringstream c;
   c << m.step << "," << json_number(m.loss);
   for (double v : m.lrs) c << "," << format_real(v);

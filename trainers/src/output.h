@@ -67,14 +67,20 @@ struct MetricsHistory {
   std::string jsonl;     ///< metrics.jsonl lines of steps up to the resume point
   std::string csv_rows;  ///< metrics.csv rows of those steps (empty when the columns differ)
   bool csv_columns_differ = false;  ///< metrics.csv is there with other columns: rows left out
+  /// The files do not hold steps 1..k of the checkpoint's run (another run wrote the folder
+  /// since, or an earlier branch): nothing is carried over.
+  bool not_the_checkpoints_run = false;
 };
 
 /// The records of steps 1..`step` in `folder`'s metrics files, where the run that wrote the
 /// checkpoint being resumed kept them; CSV rows only when that file has the columns of
 /// `num_groups` groups (and a loss_scale column when `loss_scale` is set). A last line without
-/// its newline (a write cut short) is left out.
+/// its newline (a write cut short) is left out. The JSONL records must be steps 1..`step` in
+/// order, the last one equal to `last_record` when that is given (what the checkpoint saved),
+/// else nothing is carried over (MetricsHistory::not_the_checkpoints_run).
 MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups,
-                                    bool loss_scale = false);
+                                    bool loss_scale = false,
+                                    const std::string* last_record = nullptr);
 
 /// Per-step metrics files (metrics.jsonl, metrics.csv) in a folder; nothing when folder is "".
 /// Records wait in memory until the next snapshot (before each checkpoint) or the end. The first
@@ -92,12 +98,16 @@ class MetricsFiles {
   void commit(const RunSummary& s);
   /// Bytes of records not yet written (what the run holds in memory for the files).
   size_t pending_bytes() const { return jsonl_.size() + csv_.size(); }
+  /// The newest record's JSONL line (without its newline): a checkpoint saves it, so that a
+  /// resumed run can tell its own history from another run's.
+  const std::string& last_record() const { return last_record_; }
 
  private:
   std::string folder_, header_;
   std::string jsonl_, csv_;  // records not yet in the files (at first, the history too)
   bool started_ = false;     // the files are this run's: append to them
   bool loss_scale_ = false;  // records carry the loss scale
+  std::string last_record_;
 };
 
 /// Progress on the console: a redrawn bar on a terminal, plain lines every `log_every` steps

@@ -297,6 +297,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   if (resumed)
     if (auto it = resumed->counters.find("skipped_in_a_row"); it != resumed->counters.end())
       skipped_in_a_row = std::max<int64_t>(0, it->second);
+  std::string last_record;  // the newest metrics record, saved with each checkpoint
   const CheckpointContext ckpt_ctx{c,
                                    plugin,
                                    *model,
@@ -307,7 +308,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                    dist.leader(),
                                    so.shard_optimizer_state,
                                    &skipped_in_a_row,
-                                   so.loss_scaler.get()};
+                                   so.loss_scaler.get(),
+                                   &last_record};
 
   RunSummary summary;
   summary.name = c.name;
@@ -345,7 +347,16 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   MetricsHistory history;
   if (resumed && dist.leader()) {
     const std::string folder = fs::path(resumed_from).parent_path().string();
-    history = read_metrics_history(folder, first_step, scheduler.lrs().size(), scaled);
+    const auto saved = resumed->meta.find("last_metrics_record");
+    history = read_metrics_history(folder, first_step, scheduler.lrs().size(), scaled,
+                                   saved == resumed->meta.end() ? nullptr : &saved->second);
+    if (history.not_the_checkpoints_run && !c.output_dir.empty())
+      con.err << ("trainer: warning: --resume: the metrics files in " + folder +
+                  " are not the history of steps 1.." + std::to_string(first_step) +
+                  " of the run that wrote the checkpoint (another run has written them since), "
+                  "so this run's metrics files start at step " +
+                  std::to_string(first_step + 1) + "\n")
+              << std::flush;
     if (history.csv_columns_differ && !c.output_dir.empty())
       con.err << ("trainer: warning: --resume: " + (fs::path(folder) / "metrics.csv").string() +
                   " has other columns than this run's (another number of optimizer groups, or a "
@@ -463,6 +474,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       if (m.peak_bytes > summary.peak_bytes)
         summary.peak_bytes = m.peak_bytes, summary.peak_phase = m.peak_phase;
       files.add(m);
+      last_record = files.last_record();
       progress.update(m, seconds_since(start));
       const bool final = step == c.max_train_steps;
       // Metrics first: after a kill they cover at least the newest checkpoint's steps.
