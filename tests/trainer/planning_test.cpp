@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <string>
 
+#include <torch/script.h>
+
 #include "fusebox/core/checkpoint.h"
 #include "trainer_test_util.h"
 
@@ -168,13 +170,35 @@ echo $p >pid
   ASSERT_EQ(std::system(("bash " + script).c_str()), 0);
   const std::string err = read_text(d.file("second.err"));
   EXPECT_EQ(read_text(d.file("code")), "2\n") << err;
-  EXPECT_NE(err.find("trainer: error: --output-dir: another trainer (pid "), std::string::npos)
-      << err;
-  EXPECT_NE(err.find(") is writing " + d.file("out") + "; wait for it to finish"),
+  EXPECT_NE(err.find("trainer: error: --output-dir: another trainer is writing " + d.file("out") +
+                     " now; wait for it to finish"),
             std::string::npos)
       << err;
   EXPECT_EQ(read_text(d.file("second.out")).find("step 1/"), std::string::npos);
   // The first has stopped (SIGTERM): the folder is free again.
   const Result r = run_program(args + "2", d.str());
   EXPECT_EQ(r.code, 0) << r.err;
+}
+
+// A script whose loss ignores its parameters has nothing to train: one line naming the script,
+// not autograd's "element 0 of tensors does not require grad".
+TEST(TrainerPlanning, ALossWithoutTrainableParametersNamesTheScript) {
+  TempDir d;
+  torch::jit::Module m("Net");
+  m.register_parameter("w", torch::ones({8, 1}), false);
+  m.define(R"(
+def forward(self, x):
+    return (x ** 2).mean()
+)");
+  const std::string script = d.file("nograd.pt");
+  m.save(script);
+  const Result r =
+      run_program(kQuick + "--output-dir '' --model-width 8 --model-script " + script, d.str());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("the model's loss does not depend on any trainable parameter, so there is "
+                       "nothing to train (check that --model-script " +
+                       script + "'s forward uses its parameters)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
 }

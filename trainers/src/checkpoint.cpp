@@ -38,7 +38,12 @@ std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const Loa
                                                  std::string* from) {
   if (!c.resume) return std::nullopt;
   const fs::path path = resume_checkpoint_path(c);
-  Checkpoint ckpt = load_checkpoint(path);
+  Checkpoint ckpt;
+  try {
+    ckpt = load_checkpoint(path);
+  } catch (const Error& e) {
+    throw Error(std::string("--resume: ") + e.what());
+  }
   if (from) *from = path.string();
   const std::string saved_plugin = ckpt.meta.count("plugin") ? ckpt.meta.at("plugin") : "?";
   if (saved_plugin != plugin.info().name)

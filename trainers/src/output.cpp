@@ -184,34 +184,22 @@ OutputFolderLock::OutputFolderLock(const std::string& folder) {
   std::error_code ec;
   fs::create_directories(folder, ec);
   if (ec) throw Error("--output-dir: cannot create " + folder + ": " + ec.message());
-  const fs::path path = fs::path(folder) / ".fusebox-lock";
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd_ < 0)
-    throw Error("--output-dir: cannot create " + path.string() + " (" + std::strerror(errno) +
-                "); check that the folder is writable");
+  // The folder itself is locked: no lock file is left in it.
+  fd_ = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd_ < 0) return;  // creating files will say what is wrong
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const bool taken = errno == EWOULDBLOCK;
-    const std::string reason = std::strerror(errno);
-    char pid[32] = {};
-    const ssize_t n = ::pread(fd_, pid, sizeof pid - 1, 0);
     ::close(fd_);
     fd_ = -1;
-    std::string holder = n > 0 ? std::string(pid, static_cast<size_t>(n)) : "";
-    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    // A file system without flock (some network ones) keeps working unguarded.
     if (taken)
-      throw Error("--output-dir: another trainer" +
-                  (holder.empty() ? std::string() : " (pid " + holder + ")") + " is writing " +
-                  folder + "; wait for it to finish or choose another --output-dir");
-    throw Error("--output-dir: cannot lock " + path.string() + " (" + reason + ")");
-  }
-  const std::string mine = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd_, 0) == 0 && ::pwrite(fd_, mine.data(), mine.size(), 0) < 0) {
-    // The pid is only for the message above; the lock itself is what counts.
+      throw Error("--output-dir: another trainer is writing " + folder +
+                  " now; wait for it to finish or choose another --output-dir");
   }
 }
 
 OutputFolderLock::~OutputFolderLock() {
-  if (fd_ >= 0) ::close(fd_);  // releases the lock; the file stays for the next run
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
 MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups,
@@ -316,8 +304,11 @@ void Progress::update(const StepMetrics& m, double elapsed) {
   const double lr =
       !m.effective_lrs.empty() ? m.effective_lrs.front() : (m.lrs.empty() ? 0 : m.lrs.front());
   char stats[256];
-  std::snprintf(stats, sizeof stats, "loss %.4f  lr %.3g  %.2f it/s  peak %s", m.loss, lr, rate,
-                memory::format_bytes(m.peak_bytes).c_str());
+  // Four decimals, but no forty-digit line for a diverging loss.
+  std::snprintf(stats, sizeof stats,
+                std::abs(m.loss) < 1e6 ? "loss %.4f  lr %.3g  %.2f it/s  peak %s"
+                                       : "loss %.4g  lr %.3g  %.2f it/s  peak %s",
+                m.loss, lr, rate, memory::format_bytes(m.peak_bytes).c_str());
   const std::string prefix = label_.empty() ? "" : label_ + " ";
   if (terminal_) {
     const int width = 24;

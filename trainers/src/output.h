@@ -47,9 +47,9 @@ std::string summary_text(const RunSummary& s);
 /// Side-by-side table of several runs.
 std::string comparison_table(const std::vector<RunSummary>& runs);
 
-/// Holds an output folder for one run: a lock on `<folder>/.fusebox-lock` (with the holder's pid)
-/// that a second trainer writing the same folder at the same time is refused by, instead of both
-/// interleaving metrics and checkpoints. The lock goes with the process, however it ends.
+/// Holds an output folder for one run: a lock (flock) on the folder that a second trainer writing
+/// the same folder at the same time is refused by, instead of both interleaving metrics and
+/// checkpoints. The lock goes with the process, however it ends; no file is left behind.
 class OutputFolderLock {
  public:
   /// Creates the folder if needed; throws fusebox::Error naming the holder when it is taken.

@@ -397,6 +397,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           AutocastGuard guard(autocast, device.type(), autocast_dtype);
           loss = model->loss(batch);
         }
+        if (!loss.requires_grad())
+          throw Error(
+              "the model's loss does not depend on any trainable parameter, so there is "
+              "nothing to train" +
+              (c.model_script ? " (check that --model-script " + *c.model_script +
+                                    "'s forward uses its parameters)"
+                              : std::string()));
         if (c.gradient_accumulation_steps > 1)
           loss = loss / static_cast<double>(c.gradient_accumulation_steps);
         // Averaged over the ranks: the logged loss is the global batch's, and every rank takes
