@@ -321,6 +321,42 @@ void save_via_temporary(const std::string& path,
   }
 }
 
+double builtin_parameter_count(const ModelOptions& o) {
+  const double w = static_cast<double>(o.width), depth = static_cast<double>(o.depth);
+  auto linear = [](double in, double out) { return in * out + out; };
+  auto conv = [](double in, double out, double k) { return in * out * k * k + out; };
+  if (o.kind == "mlp") return depth * linear(w, w) + linear(w, 1);
+  if (o.kind == "transformer") {
+    const double block = 2 * (2 * w) + linear(w, 3 * w) + linear(w, w) + linear(w, 4 * w) +
+                         linear(4 * w, w);  // two layer norms, qkv, proj, fc1, fc2
+    return static_cast<double>(o.vocab_size) * w + static_cast<double>(o.seq_len) * w +
+           depth * block + 2 * w;
+  }
+  if (o.kind == "denoiser") {
+    // As DenoiserImpl and ResBlockImpl build it.
+    const double temb = 2 * w;
+    auto ch = [&](int64_t level) {
+      return w * static_cast<double>(1 << std::min<int64_t>(level, 2));
+    };
+    auto res_block = [&](double in, double out) {
+      return 2 * in + conv(in, out, 3) + linear(temb, out) + 2 * out + conv(out, out, 3) +
+             (in != out ? conv(in, out, 1) : 0);
+    };
+    double n = linear(w, temb) + linear(temb, temb) + conv(kImageChannels, w, 3);
+    for (int64_t i = 0; i < o.depth; ++i) {
+      n += res_block(ch(i), ch(i));
+      if (i + 1 < o.depth) n += conv(ch(i), ch(i + 1), 3);
+    }
+    n += res_block(ch(o.depth - 1), ch(o.depth - 1));
+    for (int64_t i = o.depth - 1; i >= 0; --i) {
+      n += res_block(2 * ch(i), ch(i));
+      if (i > 0) n += conv(ch(i), ch(i - 1), 4);  // transposed: weight [in, out, 4, 4]
+    }
+    return n + 2 * w + conv(w, kImageChannels, 3);
+  }
+  throw Error("unknown model '" + o.kind + "'");
+}
+
 std::unique_ptr<Model> make_builtin_model(const ModelOptions& o) {
   if (o.kind == "mlp") return std::make_unique<BuiltinModel<Mlp>>(Mlp(o), o);
   if (o.kind == "transformer")
