@@ -1,6 +1,7 @@
 // Sizes the machine cannot hold, through the real trainer program: a built-in model whose
-// parameters exceed the physical memory is refused before it is built (exit 2), at once, without
-// filling the memory.
+// parameters exceed the physical memory is refused before it is built (exit 2), and an allocation
+// that fails during training is one line naming the step, the size and the options (exit 3);
+// both at once, without filling the memory.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -132,4 +133,45 @@ TEST(TrainerMemoryLimits, AModelLargerThanTheMachineIsRefusedBeforeItIsBuilt) {
   EXPECT_EQ(t.result.code, 2) << t.result.err;
   EXPECT_EQ(t.result.err, "trainer: error: --model-depth: must be at most 10000, got 100000000\n");
   EXPECT_LT(children_max_rss_kib(), 2 * 1024 * 1024);
+}
+
+// 10^12 samples of 64 floats are 232.8 TiB, more than any address space holds: the allocation is
+// refused at once, without paging, and the message says what to lower.
+TEST(TrainerMemoryLimits, RunningOutOfMemoryWhileTrainingIsOneLineNamingTheStep) {
+  TempDir tmp;
+  const std::string common = "--optimizer sgd --max-train-steps 2 --threads 1 --model-width 64 ";
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_program(common + "--train-batch-size 1000000000000 --output-dir " + tmp.file("out"),
+                       tmp.str());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_EQ(r.err.rfind("trainer: error: training failed at step 1: out of memory: it tried to "
+                        "allocate 232.8 TiB at once, and this machine has ",
+                        0),
+            0u)
+      << r.err;
+  EXPECT_NE(r.err.find("; lower --train-batch-size (a higher --gradient-accumulation-steps keeps "
+                       "the samples per step), --model-width or --model-depth\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("enforce fail"), std::string::npos) << r.err;
+  EXPECT_LT(seconds, 60);
+  EXPECT_LT(children_max_rss_kib(), 2 * 1024 * 1024) << "the batch was not allocated";
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out/metrics.jsonl")));
+
+  // The denoiser names its image size; the fused mode has no gradient accumulation to offer.
+  r = run_program(
+      "--optimizer sgd --max-train-steps 1 --threads 1 --model denoiser --model-width 8 "
+      "--fused-backward-pass --train-batch-size 1000000000000 --output-dir ''",
+      tmp.str());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("training failed at step 1: out of memory: it tried to allocate "),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(
+      r.err.find("; lower --train-batch-size, --image-size, --model-width or --model-depth\n"),
+      std::string::npos)
+      << r.err;
 }

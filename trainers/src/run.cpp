@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <regex>
 
 #include "checkpoint.h"
 #include "data.h"
@@ -156,6 +157,40 @@ void check_model_fits(const TrainConfig& c, int local_ranks) {
                               : " in float32") +
               ranks + ", more than the " + bytes_text(static_cast<double>(memory)) +
               " of memory this machine has; lower " + either(lower));
+}
+
+// When `what` is LibTorch's out-of-memory error (the CPU allocator's "can't allocate memory",
+// CUDA's "out of memory"), one line: how much was asked for, how much memory there is, and the
+// options that lower the need. Empty for any other error.
+std::string out_of_memory_text(const std::string& what, const TrainConfig& c) {
+  std::smatch m;
+  std::string asked, where;
+  if (std::regex_search(what, m,
+                        std::regex("can't allocate memory: you tried to allocate (\\d+)"))) {
+    asked = bytes_text(std::stod(m[1].str()));
+    if (const int64_t memory = physical_memory(); memory > 0)
+      where = ", and this machine has " + bytes_text(static_cast<double>(memory));
+  } else if (std::regex_search(
+                 what, m, std::regex("out of memory\\. Tried to allocate ([0-9.]+ [KMGTP]?i?B)"))) {
+    asked = m[1].str();
+    where = " on the GPU";
+  } else {
+    return "";
+  }
+  std::vector<std::string> lower{"--train-batch-size"};
+  if (!c.fused_backward_pass && c.fused_optimizer_groups == 0)
+    lower[0] += " (a higher --gradient-accumulation-steps keeps the samples per step)";
+  if (c.model_script) {
+    if (c.dataset != "none") lower.push_back(c.dataset == "text" ? "--seq-len" : "--model-width");
+    lower.push_back("the script model's own sizes");
+  } else {
+    if (c.model == "transformer") lower.push_back("--seq-len");
+    if (c.model == "denoiser") lower.push_back("--image-size");
+    for (const std::string& o : parameter_options(c))
+      if (o != "--seq-len") lower.push_back(o);
+  }
+  return "out of memory: it tried to allocate " + asked + " at once" + where + "; lower " +
+         either(lower);
 }
 
 }  // namespace
@@ -518,8 +553,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     }
   } catch (const std::exception& e) {
     progress.finish();
+    const std::string oom = out_of_memory_text(e.what(), c);
     throw TrainingFailed(failed_in + "training failed at step " + std::to_string(step) + ": " +
-                         first_line(e.what()));
+                         (oom.empty() ? first_line(e.what()) : oom));
   } catch (...) {
     progress.finish();
     throw TrainingFailed(failed_in + "training failed at step " + std::to_string(step) +
