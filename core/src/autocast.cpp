@@ -22,4 +22,20 @@ AutocastGuard::~AutocastGuard() {
   compat::set_autocast_dtype(device_, prev_dtype_);
 }
 
+AutocastOffGuard::AutocastOffGuard(c10::DeviceType device)
+    : device_(device), prev_enabled_(compat::autocast_enabled(device)) {
+  compat::set_autocast_enabled(device_, false);
+  at::autocast::increment_nesting();
+}
+
+AutocastOffGuard::~AutocastOffGuard() {
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  compat::set_autocast_enabled(device_, prev_enabled_);
+}
+
+std::optional<at::ScalarType> active_autocast_dtype(c10::DeviceType device) {
+  if (!compat::autocast_enabled(device)) return std::nullopt;
+  return compat::autocast_dtype(device);
+}
+
 }  // namespace fusebox

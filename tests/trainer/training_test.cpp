@@ -163,6 +163,36 @@ TEST(TrainerTraining, Bf16MixedPrecisionAndFullBf16Train) {
   EXPECT_NE(r.err.find("warning: --mixed-precision fp16"), std::string::npos) << r.err;
 }
 
+// The denoiser trains in bf16 on the CPU both ways. Its group norms get bf16 activations under
+// autocast and its transposed convolutions (depth 3: 32 -> 16 and 16 -> 8 channels) would run in
+// bf16, where LibTorch 1.13's CPU kernels fail; with --full-bf16 the parameters stay bf16.
+TEST(TrainerTraining, DenoiserTrainsInBf16BothWays) {
+  const std::vector<std::string> model = {
+      "--model",          "denoiser",    "--model-width", "8", "--model-depth",   "3",
+      "--image-size",     "8",           "--threads",     "1", "--learning-rate", "0.05",
+      "--optimizer-args", "momentum=0.9"};
+  for (const std::string mode : {"--mixed-precision=bf16", "--full-bf16"}) {
+    SCOPED_TRACE(mode);
+    TempDir dir;
+    auto r = run_trainer(
+        join(join(plugin_args("sgd.so"), model),
+             {mode, "--max-train-steps", "12", "--output-dir", dir.str(), "--log-every", "0"}));
+    if (r.code != 0) {
+      ADD_FAILURE() << "exit " << r.code << ": " << r.err;
+      continue;
+    }
+    const std::vector<double> l = losses(dir.file("metrics.jsonl"));
+    ASSERT_EQ(l.size(), 12u);
+    for (double v : l) EXPECT_TRUE(std::isfinite(v)) << v;
+    EXPECT_LT(mean(l, 9, 12), mean(l, 0, 3));
+    const auto ckpt = fusebox::load_checkpoint(dir.file("checkpoint-00000012.fbx"));
+    ASSERT_FALSE(ckpt.model.empty());
+    const at::ScalarType want = mode == "--full-bf16" ? at::kBFloat16 : at::kFloat;
+    for (const auto& [name, t] : ckpt.model) EXPECT_EQ(t.scalar_type(), want) << name;
+    EXPECT_TRUE(ckpt.model.count("upsample.0.weight"));
+  }
+}
+
 // A TorchScript module; `w2` is the same tensor as `w` (a tied weight).
 std::string write_script(const TempDir& dir, const std::string& forward) {
   torch::jit::Module m("Net");

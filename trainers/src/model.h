@@ -63,6 +63,10 @@ void save_via_temporary(const std::string& path,
 /// Builds a built-in model (initialised from the current global seed).
 std::unique_ptr<Model> make_builtin_model(const ModelOptions& options);
 
+/// The number of parameters make_builtin_model(options) builds, worked out from the sizes alone
+/// (in double, so that sizes no machine holds do not overflow; exact below 2^53).
+double builtin_parameter_count(const ModelOptions& options);
+
 /// Loads a TorchScript module; every parameter is made trainable. Throws Error naming the file.
 std::unique_ptr<Model> load_script_model(const std::string& path, c10::Device device,
                                          c10::ScalarType dtype);

@@ -7,6 +7,7 @@
 #include <numeric>
 #include <unordered_set>
 
+#include "fusebox/core/autocast.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
@@ -116,6 +117,38 @@ TORCH_MODULE(LanguageModel);
 // ---------------------------------------------------------------- denoiser (small UNet)
 int64_t norm_groups(int64_t channels) { return std::gcd<int64_t>(8, channels); }
 
+// Group norm in its weights' dtype. LibTorch 1.13's CPU kernel wants input and weights of one
+// dtype, and its CPU autocast passes group_norm bf16 activations with float weights; under
+// autocast this runs it in float32, as CUDA autocast runs group_norm.
+torch::Tensor group_norm(nn::GroupNormImpl& norm, const torch::Tensor& x) {
+  return norm.forward(x.to(norm.weight.scalar_type()));
+}
+
+// A transposed convolution that would run in bf16 on the CPU (bf16 input or weights, or bf16
+// autocast) runs in float32 with autocast off, and its result is cast back to bf16: LibTorch
+// 1.13's mkldnn bf16 kernel checks the input against the wrong channel count when the input and
+// output channels differ ("weight of size [128, 64, 4, 4], expected input[8, 128, 8, 8] to have 64
+// channels"). Autograd carries the gradients through the casts. On CUDA the bf16 kernels work and
+// stay in use.
+torch::Tensor transposed_conv(nn::ConvTranspose2dImpl& conv, const torch::Tensor& x) {
+  const bool bf16 = x.scalar_type() == torch::kBFloat16 ||
+                    conv.weight.scalar_type() == torch::kBFloat16 ||
+                    active_autocast_dtype(c10::kCPU) == torch::kBFloat16;
+  if (!x.device().is_cpu() || !bf16) return conv.forward(x);
+  AutocastOffGuard off(c10::kCPU);
+  const auto& o = conv.options;
+  using std::get;  // a transposed convolution's padding is numbers; c10::get (1.13) through ADL
+  auto f = F::ConvTranspose2dFuncOptions()
+               .stride(o.stride())
+               .padding(get<torch::ExpandingArray<2>>(o.padding()))
+               .output_padding(o.output_padding())
+               .groups(o.groups())
+               .dilation(o.dilation());
+  if (conv.bias.defined()) f.bias(conv.bias.to(torch::kFloat));
+  return F::conv_transpose2d(x.to(torch::kFloat), conv.weight.to(torch::kFloat), f)
+      .to(torch::kBFloat16);
+}
+
 struct ResBlockImpl : nn::Module {
   ResBlockImpl(int64_t in, int64_t out, int64_t temb) {
     norm1 = register_module("norm1", nn::GroupNorm(norm_groups(in), in));
@@ -126,9 +159,9 @@ struct ResBlockImpl : nn::Module {
     if (in != out) skip = register_module("skip", nn::Conv2d(nn::Conv2dOptions(in, out, 1)));
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& temb) {
-    torch::Tensor h = conv1->forward(F::silu(norm1->forward(x)));
+    torch::Tensor h = conv1->forward(F::silu(group_norm(*norm1, x)));
     h = h + time->forward(temb).unsqueeze(-1).unsqueeze(-1);
-    h = conv2->forward(F::silu(norm2->forward(h)));
+    h = conv2->forward(F::silu(group_norm(*norm2, h)));
     return h + (skip ? skip->forward(x) : x);
   }
   nn::GroupNorm norm1{nullptr}, norm2{nullptr};
@@ -197,9 +230,9 @@ struct DenoiserImpl : nn::Module {
     for (int64_t j = 0; j < levels; ++j) {
       const int64_t i = levels - 1 - j;
       h = up[j]->as<ResBlock>()->forward(torch::cat({h, skips[i]}, 1), temb);
-      if (i > 0) h = upsample[j]->as<nn::ConvTranspose2d>()->forward(h);
+      if (i > 0) h = transposed_conv(*upsample[j]->as<nn::ConvTranspose2d>(), h);
     }
-    return out_conv->forward(F::silu(out_norm->forward(h)));
+    return out_conv->forward(F::silu(group_norm(*out_norm, h)));
   }
 
   // Noise-prediction loss: x_t = sqrt(ab) x0 + sqrt(1 - ab) eps, MSE(model(x_t, t), eps).
@@ -286,6 +319,42 @@ void save_via_temporary(const std::string& path,
     std::filesystem::remove(tmp, ec);
     throw Error("cannot write model to " + path + ": " + first_line(e.what()));
   }
+}
+
+double builtin_parameter_count(const ModelOptions& o) {
+  const double w = static_cast<double>(o.width), depth = static_cast<double>(o.depth);
+  auto linear = [](double in, double out) { return in * out + out; };
+  auto conv = [](double in, double out, double k) { return in * out * k * k + out; };
+  if (o.kind == "mlp") return depth * linear(w, w) + linear(w, 1);
+  if (o.kind == "transformer") {
+    const double block = 2 * (2 * w) + linear(w, 3 * w) + linear(w, w) + linear(w, 4 * w) +
+                         linear(4 * w, w);  // two layer norms, qkv, proj, fc1, fc2
+    return static_cast<double>(o.vocab_size) * w + static_cast<double>(o.seq_len) * w +
+           depth * block + 2 * w;
+  }
+  if (o.kind == "denoiser") {
+    // As DenoiserImpl and ResBlockImpl build it.
+    const double temb = 2 * w;
+    auto ch = [&](int64_t level) {
+      return w * static_cast<double>(1 << std::min<int64_t>(level, 2));
+    };
+    auto res_block = [&](double in, double out) {
+      return 2 * in + conv(in, out, 3) + linear(temb, out) + 2 * out + conv(out, out, 3) +
+             (in != out ? conv(in, out, 1) : 0);
+    };
+    double n = linear(w, temb) + linear(temb, temb) + conv(kImageChannels, w, 3);
+    for (int64_t i = 0; i < o.depth; ++i) {
+      n += res_block(ch(i), ch(i));
+      if (i + 1 < o.depth) n += conv(ch(i), ch(i + 1), 3);
+    }
+    n += res_block(ch(o.depth - 1), ch(o.depth - 1));
+    for (int64_t i = o.depth - 1; i >= 0; --i) {
+      n += res_block(2 * ch(i), ch(i));
+      if (i > 0) n += conv(ch(i), ch(i - 1), 4);  // transposed: weight [in, out, 4, 4]
+    }
+    return n + 2 * w + conv(w, kImageChannels, 3);
+  }
+  throw Error("unknown model '" + o.kind + "'");
 }
 
 std::unique_ptr<Model> make_builtin_model(const ModelOptions& o) {

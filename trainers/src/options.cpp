@@ -21,6 +21,9 @@ namespace {
 
 constexpr double kMaxThreads = 1024;    // per pool; more only ever slows a run down
 constexpr double kMaxLocalRanks = 256;  // processes one launcher starts
+// Layers/blocks/levels of a built-in model: far beyond what trains well, and bounded so that a
+// typo does not build modules until memory runs out.
+constexpr double kMaxModelDepth = 10000;
 
 OptionSpec opt(std::string name, Kind kind, std::optional<OptValue> def, std::string help,
                std::string metavar = "") {
@@ -180,10 +183,12 @@ std::vector<OptionSpec> build_specs() {
   at_least(add(opt("model-width", Kind::Int, int64_t{64},
                    "hidden width (mlp, transformer) or base channels (denoiser)", "N")),
            1);
-  at_least(
+  OptionSpec& depth =
       add(opt("model-depth", Kind::Int, int64_t{2},
-              "hidden layers (mlp), blocks (transformer) or resolution levels (denoiser)", "N")),
-      1);
+              "hidden layers (mlp), blocks (transformer) or resolution levels (denoiser), at most "
+              "10000",
+              "N"));
+  at_least(depth, 1), at_most(depth, kMaxModelDepth);
   at_least(add(opt("model-heads", Kind::Int, int64_t{4},
                    "transformer: attention heads (must divide --model-width)", "N")),
            1);

@@ -3,11 +3,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
+#include <regex>
 
 #include "checkpoint.h"
 #include "data.h"
@@ -95,6 +99,107 @@ std::string scale_text(double scale) {
 
 std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
 
+ModelOptions model_options(const TrainConfig& c) {
+  ModelOptions mo;
+  mo.kind = c.model, mo.width = c.model_width, mo.depth = c.model_depth;
+  mo.heads = c.model_heads, mo.seq_len = c.seq_len, mo.image_size = c.image_size;
+  mo.vocab_size = c.dataset == "text" ? 256 : c.vocab_size;
+  return mo;
+}
+
+// The machine's physical memory in bytes (0 when sysconf cannot tell).
+int64_t physical_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+}
+
+std::string bytes_text(double bytes) {
+  constexpr double kMax = static_cast<double>(std::numeric_limits<int64_t>::max());
+  return memory::format_bytes(static_cast<int64_t>(std::min(bytes, kMax)));
+}
+
+// "--a", "--a or --b", "--a, --b or --c".
+std::string either(const std::vector<std::string>& options) {
+  std::string s;
+  for (size_t i = 0; i < options.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == options.size() ? " or " : ", ") + options[i];
+  return s;
+}
+
+// The options that size a built-in model's parameters.
+std::vector<std::string> parameter_options(const TrainConfig& c) {
+  std::vector<std::string> o{"--model-width", "--model-depth"};
+  if (c.model == "transformer") {
+    if (c.dataset != "text") o.push_back("--vocab-size");
+    o.push_back("--seq-len");
+  }
+  return o;
+}
+
+// The built-in model's parameters must fit in the machine's memory, or building it would fill
+// the memory layer by layer until the kernel kills the process. Only the parameters are counted
+// (gradients, optimizer state and activations come on top), so what is refused cannot train.
+void check_model_fits(const TrainConfig& c, int local_ranks) {
+  if (c.model_script) return;
+  const int64_t memory = physical_memory();
+  if (memory <= 0) return;
+  const double count = builtin_parameter_count(model_options(c));
+  // Built in float32, then converted: float32's bytes are needed even for bf16.
+  const double element = c.dtype == "float64" ? 8 : 4;
+  const double bytes = count * element, all = bytes * std::max(1, local_ranks);
+  if (all <= static_cast<double>(memory)) return;
+  char n[32];
+  std::snprintf(n, sizeof n, count < 1e9 ? "%.0f" : "%.3g", count);
+  std::vector<std::string> lower = parameter_options(c);
+  std::string ranks;
+  if (local_ranks > 1) {
+    ranks = " in each of the " + std::to_string(local_ranks) + " ranks on this machine (" +
+            bytes_text(all) + " in all)";
+    lower.push_back("--nproc-per-node");
+  }
+  throw Error("cannot build the " + c.model + " model: its " + n + " parameters need " +
+              bytes_text(bytes) +
+              (c.full_bf16    ? " as it is built in float32 (before its conversion to bf16)"
+               : element == 8 ? " in float64"
+                              : " in float32") +
+              ranks + ", more than the " + bytes_text(static_cast<double>(memory)) +
+              " of memory this machine has; lower " + either(lower));
+}
+
+// When `what` is LibTorch's out-of-memory error (the CPU allocator's "can't allocate memory",
+// CUDA's "out of memory"), one line: how much was asked for, how much memory there is, and the
+// options that lower the need. Empty for any other error.
+std::string out_of_memory_text(const std::string& what, const TrainConfig& c) {
+  std::smatch m;
+  std::string asked, where;
+  if (std::regex_search(what, m,
+                        std::regex("can't allocate memory: you tried to allocate (\\d+)"))) {
+    asked = bytes_text(std::stod(m[1].str()));
+    if (const int64_t memory = physical_memory(); memory > 0)
+      where = ", and this machine has " + bytes_text(static_cast<double>(memory));
+  } else if (std::regex_search(
+                 what, m, std::regex("out of memory\\. Tried to allocate ([0-9.]+ [KMGTP]?i?B)"))) {
+    asked = m[1].str();
+    where = " on the GPU";
+  } else {
+    return "";
+  }
+  std::vector<std::string> lower{"--train-batch-size"};
+  if (!c.fused_backward_pass && c.fused_optimizer_groups == 0)
+    lower[0] += " (a higher --gradient-accumulation-steps keeps the samples per step)";
+  if (c.model_script) {
+    if (c.dataset != "none") lower.push_back(c.dataset == "text" ? "--seq-len" : "--model-width");
+    lower.push_back("the script model's own sizes");
+  } else {
+    if (c.model == "transformer") lower.push_back("--seq-len");
+    if (c.model == "denoiser") lower.push_back("--image-size");
+    for (const std::string& o : parameter_options(c))
+      if (o != "--seq-len") lower.push_back(o);
+  }
+  return "out of memory: it tried to allocate " + asked + " at once" + where + "; lower " +
+         either(lower);
+}
+
 }  // namespace
 
 HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin) {
@@ -141,6 +246,7 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
 
 void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ranks,
                    std::ostream& warnings) {
+  check_model_fits(c, local_ranks);
   if (world > 1 && c.train_batch_size % world != 0)
     throw Error("--train-batch-size " + std::to_string(c.train_batch_size) +
                 " cannot be split evenly over " + std::to_string(world) +
@@ -190,10 +296,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     if (c.model_script) {
       model = load_script_model(*c.model_script, device, dtype);
     } else {
-      ModelOptions mo;
-      mo.kind = c.model, mo.width = c.model_width, mo.depth = c.model_depth;
-      mo.heads = c.model_heads, mo.seq_len = c.seq_len, mo.image_size = c.image_size;
-      mo.vocab_size = c.dataset == "text" ? 256 : c.vocab_size;
+      ModelOptions mo = model_options(c);
       mo.device = device, mo.dtype = dtype;
       model = make_builtin_model(mo);
     }
@@ -508,8 +611,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     throw;
   } catch (const std::exception& e) {
     progress.finish();
+    const std::string oom = out_of_memory_text(e.what(), c);
     throw TrainingFailed(failed_in + "training failed at step " + std::to_string(step) + ": " +
-                         first_line(e.what()));
+                         (oom.empty() ? first_line(e.what()) : oom));
   } catch (...) {
     progress.finish();
     throw TrainingFailed(failed_in + "training failed at step " + std::to_string(step) +

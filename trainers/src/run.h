@@ -36,7 +36,8 @@ class TrainingFailed : public Error {
 /// (--learning-rate becomes lr; --full-bf16 turns on stochastic_rounding when the plugin has it).
 HyperParams plugin_hyperparams(const TrainConfig& config, const LoadedPlugin& plugin);
 
-/// Checks what needs the job's shape or LibTorch: the batch splits over `world` ranks, the device
+/// Checks what needs the job's shape or LibTorch: a built-in model's parameters (one copy per
+/// local rank) fit in the machine's memory, the batch splits over `world` ranks, the device
 /// exists (on CUDA, a GPU for local rank `local_rank` of `local_ranks`); warns about precision
 /// settings that cannot take effect.
 void check_runtime(const TrainConfig& config, int world, int local_rank, int local_ranks,

@@ -4,6 +4,8 @@
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
+#include <optional>
+
 namespace fusebox {
 
 /// Autocast to `dtype` on `device` for the guard's lifetime, restoring the previous state after;
@@ -21,5 +23,22 @@ class AutocastGuard {
   bool prev_enabled_ = false;
   at::ScalarType prev_dtype_ = at::kFloat;
 };
+
+/// Switches autocast off on `device` for the guard's lifetime, restoring the previous state after
+/// (Python's torch.autocast(enabled=False)): for an op that must run in the dtype its inputs have.
+class AutocastOffGuard {
+ public:
+  explicit AutocastOffGuard(c10::DeviceType device);
+  ~AutocastOffGuard();
+  AutocastOffGuard(const AutocastOffGuard&) = delete;
+  AutocastOffGuard& operator=(const AutocastOffGuard&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool prev_enabled_;
+};
+
+/// The dtype autocast casts to on `device` now, or nullopt when autocast is off there.
+std::optional<at::ScalarType> active_autocast_dtype(c10::DeviceType device);
 
 }  // namespace fusebox

@@ -1,0 +1,177 @@
+// Sizes the machine cannot hold, through the real trainer program: a built-in model whose
+// parameters exceed the physical memory is refused before it is built (exit 2), and an allocation
+// that fails during training is one line naming the step, the size and the options (exit 3);
+// both at once, without filling the memory.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "model.h"
+#include "trainer_test_util.h"
+
+using namespace fusebox::trainer::testing;
+
+namespace {
+
+int64_t physical_memory() {
+  return static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+}
+
+// The largest resident set of any child process that has ended so far, in KiB.
+long children_max_rss_kib() {
+  struct rusage u {};
+  ::getrusage(RUSAGE_CHILDREN, &u);
+  return u.ru_maxrss;
+}
+
+struct Timed {
+  Result result;
+  double seconds = 0;
+};
+
+// Runs the trainer with its address space limited to `limit_kib`: should the size check fail to
+// refuse, the trainer's allocations fail at that limit instead of filling the machine's memory.
+Timed run_limited(const std::string& args, const std::string& dir, int64_t limit_kib) {
+  const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
+  const std::string cmd = "ulimit -v " + std::to_string(limit_kib) + " && timeout -k 5 600 " +
+                          std::string(FUSEBOX_BIN_DIR) + "/trainer " + args + " >" + out + " 2>" +
+                          err;
+  const auto start = std::chrono::steady_clock::now();
+  const int status = std::system(cmd.c_str());
+  Timed t;
+  t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  t.result.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  t.result.out = read_text(out), t.result.err = read_text(err);
+  return t;
+}
+
+// Well above what a small run of the trainer maps (LibTorch, thread stacks), well below any
+// machine these tests run on.
+constexpr int64_t kLimitKiB = 4 * 1024 * 1024;
+
+}  // namespace
+
+// The estimate that the check relies on is the number of parameters the models really have.
+TEST(TrainerMemoryLimits, ParameterCountsFromTheOptionsMatchTheBuiltModels) {
+  using fusebox::trainer::ModelOptions;
+  std::vector<ModelOptions> cases;
+  for (int64_t depth : {1, 3}) {
+    ModelOptions o;
+    o.kind = "mlp", o.width = 12, o.depth = depth;
+    cases.push_back(o);
+    o.kind = "transformer", o.heads = 2, o.seq_len = 7, o.vocab_size = 19;
+    cases.push_back(o);
+  }
+  for (int64_t depth : {1, 2, 3, 4}) {  // channels stop doubling after level 2
+    ModelOptions o;
+    o.kind = "denoiser", o.width = 8, o.depth = depth, o.image_size = 8;
+    cases.push_back(o);
+  }
+  for (const ModelOptions& o : cases) {
+    SCOPED_TRACE(o.kind + " depth " + std::to_string(o.depth));
+    auto model = fusebox::trainer::make_builtin_model(o);
+    EXPECT_EQ(fusebox::trainer::builtin_parameter_count(o),
+              static_cast<double>(fusebox::trainer::count_elements(model->parameters())));
+  }
+}
+
+TEST(TrainerMemoryLimits, AModelLargerThanTheMachineIsRefusedBeforeItIsBuilt) {
+  TempDir tmp;
+  const int64_t memory = physical_memory();
+  ASSERT_GT(memory, 0);
+  // 1000 layers that together need twice the memory there is, each a small part of it: without
+  // the check they would be built one by one until the memory runs out.
+  const int64_t width =
+      static_cast<int64_t>(std::ceil(std::sqrt(2.0 * static_cast<double>(memory) / 4 / 1000)));
+  const std::string common =
+      "--optimizer sgd --max-train-steps 1 --threads 1 --output-dir " + tmp.file("out") + " ";
+  auto t =
+      run_limited(common + "--model mlp --model-depth 1000 --model-width " + std::to_string(width),
+                  tmp.str(), kLimitKiB);
+  EXPECT_EQ(t.result.code, 2) << t.result.err;
+  EXPECT_EQ(count_lines(t.result.err), 1) << t.result.err;
+  EXPECT_EQ(t.result.err.rfind("trainer: error: cannot build the mlp model: its ", 0), 0u)
+      << t.result.err;
+  EXPECT_NE(t.result.err.find(" in float32, more than the "), std::string::npos) << t.result.err;
+  EXPECT_NE(t.result.err.find(" of memory this machine has; lower --model-width or --model-depth"),
+            std::string::npos)
+      << t.result.err;
+  EXPECT_LT(t.seconds, 60) << "the refusal should come at once";
+  EXPECT_LT(children_max_rss_kib(), 2 * 1024 * 1024) << "nothing should have been built";
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
+
+  // bf16 parameters are built in float32 first; a transformer's table grows with the vocabulary.
+  t = run_limited(common + "--model transformer --model-width 64 --full-bf16 --vocab-size " +
+                      std::to_string(memory / 64 / 4 * 2),
+                  tmp.str(), kLimitKiB);
+  EXPECT_EQ(t.result.code, 2) << t.result.err;
+  EXPECT_NE(t.result.err.find(
+                " as it is built in float32 (before its conversion to bf16), more than the "),
+            std::string::npos)
+      << t.result.err;
+  EXPECT_NE(t.result.err.find("lower --model-width, --model-depth, --vocab-size or --seq-len"),
+            std::string::npos)
+      << t.result.err;
+
+  // Each local rank of a data-parallel job builds its own copy: two that fit once but not twice.
+  const int64_t layers = static_cast<int64_t>(0.75 * static_cast<double>(memory) / 4 /
+                                              static_cast<double>(width * width + width));
+  t = run_limited(common + "--model mlp --nproc-per-node 2 --model-width " + std::to_string(width) +
+                      " --model-depth " + std::to_string(layers),
+                  tmp.str(), kLimitKiB);
+  EXPECT_EQ(t.result.code, 2) << t.result.err;
+  EXPECT_NE(t.result.err.find(" in each of the 2 ranks on this machine ("), std::string::npos)
+      << t.result.err;
+  EXPECT_NE(t.result.err.find("lower --model-width, --model-depth or --nproc-per-node"),
+            std::string::npos)
+      << t.result.err;
+  // A depth past the maximum is refused before anything else.
+  t = run_limited(common + "--model-depth 100000000", tmp.str(), kLimitKiB);
+  EXPECT_EQ(t.result.code, 2) << t.result.err;
+  EXPECT_EQ(t.result.err, "trainer: error: --model-depth: must be at most 10000, got 100000000\n");
+  EXPECT_LT(children_max_rss_kib(), 2 * 1024 * 1024);
+}
+
+// 10^12 samples of 64 floats are 232.8 TiB, more than any address space holds: the allocation is
+// refused at once, without paging, and the message says what to lower.
+TEST(TrainerMemoryLimits, RunningOutOfMemoryWhileTrainingIsOneLineNamingTheStep) {
+  TempDir tmp;
+  const std::string common = "--optimizer sgd --max-train-steps 2 --threads 1 --model-width 64 ";
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_program(common + "--train-batch-size 1000000000000 --output-dir " + tmp.file("out"),
+                       tmp.str());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_EQ(r.err.rfind("trainer: error: training failed at step 1: out of memory: it tried to "
+                        "allocate 232.8 TiB at once, and this machine has ",
+                        0),
+            0u)
+      << r.err;
+  EXPECT_NE(r.err.find("; lower --train-batch-size (a higher --gradient-accumulation-steps keeps "
+                       "the samples per step), --model-width or --model-depth\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("enforce fail"), std::string::npos) << r.err;
+  EXPECT_LT(seconds, 60);
+  EXPECT_LT(children_max_rss_kib(), 2 * 1024 * 1024) << "the batch was not allocated";
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out/metrics.jsonl")));
+
+  // The denoiser names its image size; the fused mode has no gradient accumulation to offer.
+  r = run_program(
+      "--optimizer sgd --max-train-steps 1 --threads 1 --model denoiser --model-width 8 "
+      "--fused-backward-pass --train-batch-size 1000000000000 --output-dir ''",
+      tmp.str());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("training failed at step 1: out of memory: it tried to allocate "),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(
+      r.err.find("; lower --train-batch-size, --image-size, --model-width or --model-depth\n"),
+      std::string::npos)
+      << r.err;
+}
