@@ -184,8 +184,10 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
     if (c.model == "transformer" && c.model_width % c.model_heads != 0)
       throw Error(r.label("model-heads") + ": " + std::to_string(c.model_heads) +
                   " does not divide --model-width " + std::to_string(c.model_width));
-    const int64_t factor = int64_t{1} << std::min<int64_t>(c.model_depth - 1, 20);
-    if (c.model == "denoiser" && c.image_size % factor != 0)
+    // Each level halves the image: depth - 1 halvings must divide it (past 2^62 none can).
+    const int64_t halvings = std::min<int64_t>(c.model_depth - 1, 62);
+    const int64_t factor = int64_t{1} << halvings;
+    if (c.model == "denoiser" && (halvings < c.model_depth - 1 || c.image_size % factor != 0))
       throw Error(r.label("image-size") + ": " + std::to_string(c.image_size) +
                   " must be divisible by " + std::to_string(factor) + " (2^(model-depth - 1))");
   }
