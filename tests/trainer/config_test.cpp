@@ -148,8 +148,13 @@ TEST(TrainerConfig, ForbiddenCombinationsAreErrors) {
   EXPECT_NE(m.find("--gradient-accumulation-steps: 4 cannot be used with --fused-optimizer-groups"),
             std::string::npos)
       << m;
-  m = error_of([] { resolve("", {"--optimizer", "sgd", "--fused-optimizer-groups", "0"}); });
-  EXPECT_EQ(m, "--fused-optimizer-groups: must be at least 1, got 0");
+  m = error_of([] { resolve("", {"--optimizer", "sgd", "--fused-optimizer-groups", "-1"}); });
+  EXPECT_EQ(m, "--fused-optimizer-groups: must be at least 0, got -1");
+  // 0 switches groups off (a config's, from the command line).
+  EXPECT_EQ(resolve("optimizer = \"sgd\"\nfused_optimizer_groups = 4\n",
+                    {"--fused-optimizer-groups", "0", "--fused-backward-pass"})
+                .mode(),
+            "fused");
   m = error_of([] { resolve("", {"--optimizer", "sgd", "--full-bf16", "--dtype", "float64"}); });
   EXPECT_NE(m.find("--full-bf16: cannot be combined with --dtype float64"), std::string::npos);
   // Accumulation alone, and groups alone, are fine.
