@@ -80,10 +80,14 @@ class C10dCommunicator final : public Communicator {
   std::unique_ptr<Pending> average(std::vector<at::Tensor> tensors) override {
     if (tensors.empty()) return nullptr;
     const double world = config_.world_size;
-    // One tensor of a wire type is reduced in place; several are packed into one buffer.
-    const bool in_place = tensors.size() == 1 && tensors[0].is_contiguous() &&
-                          wire_type(tensors[0].scalar_type()) == tensors[0].scalar_type();
-    std::vector<at::Tensor> buffer{in_place ? tensors[0] : flatten(tensors)};
+    // The buffer travels in double when any tensor is double, else in float.
+    at::ScalarType wire = at::kFloat;
+    for (const auto& t : tensors)
+      if (wire_type(t.scalar_type()) == at::kDouble) wire = at::kDouble;
+    // One tensor of the wire type is reduced in place; several are packed into one buffer.
+    const bool in_place =
+        tensors.size() == 1 && tensors[0].is_contiguous() && tensors[0].scalar_type() == wire;
+    std::vector<at::Tensor> buffer{in_place ? tensors[0] : flatten(tensors, wire)};
     auto work = launch("all-reduce", [&] { return pg_->allreduce(buffer); });
     at::Tensor flat = buffer[0];
     return std::make_unique<C10dPending>(work, what("all-reduce"), config_.timeout,
@@ -96,9 +100,12 @@ class C10dCommunicator final : public Communicator {
 
   std::unique_ptr<Pending> broadcast(std::vector<at::Tensor> tensors, int root) override {
     if (tensors.empty()) return nullptr;
+    for (const auto& t : tensors)
+      if (t.scalar_type() != tensors[0].scalar_type())
+        throw Error("broadcast: all tensors of one call must share a dtype");
     std::vector<at::Tensor> buffer{tensors.size() == 1 && tensors[0].is_contiguous()
                                        ? tensors[0]
-                                       : flatten(tensors, /*keep_type=*/true)};
+                                       : flatten(tensors, tensors[0].scalar_type())};
     const bool in_place = buffer[0].is_same(tensors[0]);
     at::Tensor flat = buffer[0];
     // Gloo has no bfloat16; a broadcast only copies bytes, so its bits travel as half (same size).
@@ -125,16 +132,10 @@ class C10dCommunicator final : public Communicator {
   }
 
  private:
-  static at::Tensor flatten(const std::vector<at::Tensor>& tensors, bool keep_type = false) {
+  static at::Tensor flatten(const std::vector<at::Tensor>& tensors, at::ScalarType type) {
     std::vector<at::Tensor> flat;
     flat.reserve(tensors.size());
-    const at::ScalarType type =
-        keep_type ? tensors[0].scalar_type() : wire_type(tensors[0].scalar_type());
-    for (const auto& t : tensors) {
-      if (keep_type && t.scalar_type() != type)
-        throw Error("broadcast: all tensors of one call must share a dtype");
-      flat.push_back(t.reshape({-1}).to(type));
-    }
+    for (const auto& t : tensors) flat.push_back(t.reshape({-1}).to(type));
     return at::cat(flat);
   }
   static void unflatten(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {

@@ -13,12 +13,15 @@ HookedStep::HookedStep(StepOptions options)
     : options_(std::move(options)), reducer_(options_.comm, options_.bucket_bytes) {}
 
 void HookedStep::attach(const std::vector<at::Tensor>& params,
-                        const std::vector<std::string>& names) {
+                        const std::vector<std::string>& names,
+                        const std::vector<size_t>& segment_of) {
   params_ = params;
   names_ = names;
   fired_.assign(params.size(), false);
   warned_.assign(params.size(), false);
+  updated_.assign(params.size(), false);
   sharding_ = StateSharding(options_, params);
+  reducer_.plan(params, segment_of);
   for (size_t i = 0; i < params.size(); ++i)
     hooks_.push_back(std::make_unique<compat::GradReadyHook>(params[i], [this, i] { ready(i); }));
 }
@@ -36,9 +39,14 @@ void HookedStep::ready(size_t i) {
                   "backward or reentrant checkpointing?); fused stepping updates each parameter "
                   "once per iteration");
     fired_[i] = true;
-    if (!param.grad().defined()) return;
     if (options_.track_grad_bytes) peak_bytes_ = std::max(peak_bytes_, live_grad_bytes(params_));
-    arrived(i);
+    if (reducer_.active()) {
+      // Also without a gradient: the parameter's bucket is complete without it (zeros).
+      reducer_.arrived(i);
+      drain(false);
+    } else if (param.grad().defined()) {
+      process(i);
+    }
   } catch (...) {
     error_ = as_std_exception(std::current_exception());
     param.mutable_grad().reset();
@@ -46,20 +54,13 @@ void HookedStep::ready(size_t i) {
   }
 }
 
-void HookedStep::arrived(size_t i) {
-  if (!reducer_.active()) return process(i);
-  reducer_.add(i, params_[i]);
-  drain(false);
-}
-
-void HookedStep::flush() { reducer_.launch(); }
-
 void HookedStep::drain(bool wait) {
   for (size_t j : reducer_.completed(wait)) process(j);
 }
 
 void HookedStep::process(size_t i) {
   const at::Tensor& param = params_[i];
+  updated_[i] = true;
   // A fixed loss scale (dynamic ones are refused in these modes): unscale before anything else.
   if (const double unscale = unscale_factor(options_); unscale != 0) param.grad().mul_(unscale);
   if (!(options_.check_finite || options_.max_grad_norm > 0 || options_.track_grad_norm))
@@ -128,7 +129,7 @@ void HookedStep::backward(const at::Tensor& loss) {
   }
   try {
     if (reducer_.active()) {
-      flush();
+      reducer_.launch_rest();  // with zeros for what this rank did not produce
       drain(true);
     }
     deferred_check();
@@ -142,6 +143,7 @@ void HookedStep::abandon_iteration() {
   reducer_.abandon();
   for (auto& p : params_) p.mutable_grad().reset();
   fired_.assign(params_.size(), false);
+  updated_.assign(params_.size(), false);
   sum_sq_ = at::Tensor();
   host_sum_sq_ = 0;
   any_norm_ = false;
@@ -154,13 +156,13 @@ StepStats HookedStep::finish_iteration() {
   StepStats stats;
   if (options_.loss_scaler) stats.loss_scale = options_.loss_scaler->scale();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (fired_[i]) {
+    if (updated_[i]) {
       ++stats.params_stepped;
     } else if (!warned_[i]) {
       warned_[i] = true;
-      warner(options_)("parameter '" + names_[i] +
-                       "' received no gradient in this iteration and was not updated (reported "
-                       "once)");
+      warner(options_)("parameter '" + names_[i] + "' received no gradient in this iteration" +
+                       (reducer_.active() ? " on any rank" : "") +
+                       " and was not updated (reported once)");
     }
   }
   if (any_norm_) {
@@ -170,6 +172,7 @@ StepStats HookedStep::finish_iteration() {
   }
   if (options_.track_grad_bytes) stats.peak_grad_bytes = peak_bytes_;
   fired_.assign(params_.size(), false);
+  updated_.assign(params_.size(), false);
   sum_sq_ = at::Tensor();
   host_sum_sq_ = 0;
   any_norm_ = false;

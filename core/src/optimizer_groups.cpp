@@ -102,7 +102,7 @@ std::vector<std::vector<ParamGroup>> split_param_groups(const std::vector<ParamG
 
 namespace {
 
-// Data parallel: a group is averaged as one bucket, whatever its size.
+// Data parallel: a group is averaged as one bucket (per wire type), whatever its size.
 StepOptions one_bucket_per_group(StepOptions o) {
   o.bucket_bytes = std::numeric_limits<int64_t>::max();
   return o;
@@ -129,7 +129,7 @@ class OptimizerGroups final : public detail::HookedStep {
       sizes_.push_back(size);
     }
     reset();
-    attach(params, names);
+    attach(params, names, group_of_);
   }
 
   StepStats step() override {
@@ -161,34 +161,16 @@ class OptimizerGroups final : public detail::HookedStep {
   std::string name() const override { return "groups"; }
 
  protected:
+  // Data parallel, a group is one bucket (per wire type): its averages come back together.
   void on_gradient(size_t i) override {
     const size_t k = group_of_[i];
     if (++processed_[k] == sizes_[k]) step_group(k);
   }
-  void arrived(size_t i) override {
-    if (!reducer_.active()) return HookedStep::arrived(i);
-    const size_t k = group_of_[i];
-    if (++arrived_[k] == sizes_[k]) launch_group(k);
-    drain(false);
-  }
-  void flush() override {
-    // A group some of whose parameters got no gradient is averaged with those that did.
-    for (size_t k = 0; k < optimizers_.size(); ++k)
-      if (!launched_[k] && arrived_[k] > 0) launch_group(k);
-  }
 
  private:
   void reset() {
-    arrived_.assign(optimizers_.size(), 0);
     processed_.assign(optimizers_.size(), 0);
-    launched_.assign(optimizers_.size(), false);
     done_.assign(optimizers_.size(), false);
-  }
-  void launch_group(size_t k) {
-    for (size_t j = starts_[k]; j < starts_[k] + sizes_[k]; ++j)
-      if (fired(j) && params_[j].grad().defined()) reducer_.add(j, params_[j]);
-    reducer_.launch();
-    launched_[k] = true;
   }
   void step_group(size_t k) {
     at::NoGradGuard no_grad;
@@ -200,8 +182,8 @@ class OptimizerGroups final : public detail::HookedStep {
 
   std::vector<std::shared_ptr<Optimizer>> optimizers_;
   std::vector<size_t> group_of_, starts_, sizes_;
-  std::vector<size_t> arrived_, processed_;  // per group, this iteration
-  std::vector<bool> launched_, done_;
+  std::vector<size_t> processed_;  // per group, this iteration
+  std::vector<bool> done_;
 };
 
 }  // namespace

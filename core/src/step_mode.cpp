@@ -149,26 +149,31 @@ class NormalStep final : public StepMode {
         names_.push_back(optimizers_[0]->group(g).names[i]);
       }
     sharding_ = detail::StateSharding(options_, params_);
-    // Data parallel: each gradient joins a bucket the moment it is accumulated, so averaging
-    // overlaps the rest of backward.
-    if (reducer_.active())
-      for (size_t i = 0; i < params_.size(); ++i)
-        hooks_.push_back(std::make_unique<compat::GradReadyHook>(
-            params_[i], [this, i] { reducer_.add(i, params_[i]); }));
+    // Data parallel: each gradient is final the moment it is accumulated; its bucket is launched
+    // once complete, so averaging overlaps the rest of backward. Frozen parameters (no
+    // requires_grad) are left alone, as in one process.
+    reducer_.plan(params_);
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (reducer_.averaged(i))
+        hooks_.push_back(
+            std::make_unique<compat::GradReadyHook>(params_[i], [this, i] { arrived(i); }));
   }
 
   void backward(const at::Tensor& loss) override {
     if (!reducer_.active()) return detail::scaled_loss(loss, options_).backward();
     // With gradient accumulation every micro-batch is averaged: avg(avg(g1) + g2) equals
     // avg(g1) + avg(g2) because avg(g1) is the same on every rank.
+    error_ = nullptr;
     try {
       detail::scaled_loss(loss, options_).backward();
-      reducer_.launch();
+      reducer_.launch_rest();  // with zeros for what this rank did not produce
       reducer_.completed(/*wait=*/true);
     } catch (...) {
+      std::exception_ptr original = error_ ? error_ : std::current_exception();
+      error_ = nullptr;
       reducer_.abandon();
       for (auto& p : params_) p.mutable_grad().reset();
-      throw;
+      std::rethrow_exception(original);  // the hook's own exception, not autograd's wrapper
     }
   }
 
@@ -255,6 +260,21 @@ class NormalStep final : public StepMode {
   std::string name() const override { return "normal"; }
 
  private:
+  // Data parallel: parameter i's gradient is final for this backward pass.
+  void arrived(size_t i) {
+    if (error_) return;
+    try {
+      if (!reducer_.arrived(i))
+        throw Error("parameter '" + names_[i] +
+                    "' received a second gradient within one backward pass (retain_graph, double "
+                    "backward or reentrant checkpointing?); data-parallel averaging takes each "
+                    "gradient once per backward pass");
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+  }
+
   // Steps (this rank's share of) the parameters, frees every gradient, shares the results.
   void update(Optimizer& opt) {
     sharding_.drop_foreign_grads(params_, 0, params_.size());
@@ -270,6 +290,7 @@ class NormalStep final : public StepMode {
   detail::GradReducer reducer_;
   detail::StateSharding sharding_;
   std::vector<std::unique_ptr<compat::GradReadyHook>> hooks_;
+  std::exception_ptr error_;  // the first hook failure of this backward pass
 };
 
 }  // namespace

@@ -66,23 +66,23 @@ void add_sq(at::Tensor& sum_sq, const at::Tensor& norm);
 
 /// A mode that reacts to each gradient as soon as it is accumulated (fused and groups).
 ///
-/// Single process: hook(i) -> arrived(i) -> process(i): checks, clipping, on_gradient(i).
-/// Data parallel: arrived(i) queues the gradient for averaging; process(i) runs for each
-/// gradient whose average has come back, from later hooks or at the end of backward.
+/// Single process: hook(i) -> process(i): checks, clipping, on_gradient(i).
+/// Data parallel: the hook hands the gradient to the reducer (its bucket is launched once
+/// complete, or at the end of backward); process(i) runs for each parameter whose average has come
+/// back, from later hooks or at the end of backward, on every rank alike: also for a parameter
+/// whose gradient only other ranks produced (the average is then its gradient here too).
 class HookedStep : public StepMode {
  public:
   void backward(const at::Tensor& loss) override;
 
  protected:
   explicit HookedStep(StepOptions options);
-  /// Installs one hook per parameter; `names` label messages.
-  void attach(const std::vector<at::Tensor>& params, const std::vector<std::string>& names);
-  /// Called from the hook once `i`'s gradient is accumulated, checked and clipped.
+  /// Installs one hook per parameter; `names` label messages. Data parallel: `segment_of[i]`,
+  /// if given, is parameter i's segment, which the reducer averages as one bucket (per wire type).
+  void attach(const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
+              const std::vector<size_t>& segment_of = {});
+  /// Called once `i`'s gradient is final (averaged when data parallel), checked and clipped.
   virtual void on_gradient(size_t i) = 0;
-  /// A gradient has been accumulated: averages it across ranks (buckets) or processes it now.
-  virtual void arrived(size_t i);
-  /// The end of backward, data parallel: launches what is still queued.
-  virtual void flush();
   /// Checks, clips and counts gradient `i` (now final), then calls on_gradient(i).
   void process(size_t i);
   /// Processes every gradient whose average has finished (all launched ones with `wait`).
@@ -96,8 +96,6 @@ class HookedStep : public StepMode {
   /// Device gradients: reads the finiteness flags gathered during backward (one host sync) and
   /// throws NonFiniteError naming the first non-finite gradient.
   void deferred_check();
-  /// True if parameter `i` received its gradient in this iteration.
-  bool fired(size_t i) const { return fired_[i]; }
 
   StepOptions options_;
   std::vector<at::Tensor> params_;
@@ -109,6 +107,7 @@ class HookedStep : public StepMode {
   void ready(size_t i);
   std::vector<std::unique_ptr<compat::GradReadyHook>> hooks_;
   std::vector<bool> fired_, warned_;
+  std::vector<bool> updated_;  // process(i) ran in this iteration
   std::exception_ptr error_;
   at::Tensor sum_sq_;       // device gradients: sum of squared norms, kept on the device
   double host_sum_sq_ = 0;  // host gradients: the same sum, on the host

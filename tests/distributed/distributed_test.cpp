@@ -196,6 +196,97 @@ TEST(Distributed, ShardedOptimizerStateGivesTheSameWeightsAsUnsharded) {
   }
 }
 
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b, size_t first,
+                    size_t last) {
+  return max_abs_diff(std::vector<double>(a.begin() + first, a.begin() + last),
+                      std::vector<double>(b.begin() + first, b.begin() + last));
+}
+
+// The batches (dist_worker's "branchy" model) are such that over 8 steps wa and wb are each used
+// by both ranks at some steps, by one rank only at others (wa: steps 2, 5, 6; wb: 1, 3, 6), by no
+// rank at step 4 after having been used (AdamW's moments would move them if they were stepped)
+// and wb by no rank at step 0; `unused` never. wb has another shape than wa: buckets formed from
+// the gradients a rank produced would differ in size between the ranks.
+TEST(Distributed, AParameterUsedOnSomeRanksOnlyIsAveragedOverAllRanksAndSteppedOnEvery) {
+  const std::vector<std::string> base{"--model", "branchy", "--plugin", "adamw.so", "--steps", "8"};
+  std::vector<std::string> single = base;
+  single.insert(single.end(), {"--mode", "normal"});
+  const std::vector<double> one = run_world(1, single);
+  std::vector<std::string> none = single;
+  none[5] = "0";
+  const std::vector<double> init = run_world(1, none);
+  ASSERT_EQ(one.size(), 64u + 8 + 24 + 8);
+  // One process over the whole batch averages the rows' gradients: the ranks' average, with
+  // zeros from a rank whose rows left a parameter out, is the same to rounding.
+  std::vector<std::vector<std::string>> modes = kModes;
+  modes.push_back({"--mode", "fused", "--bucket-bytes", "200", "--shard"});
+  modes.push_back({"--mode", "groups", "--groups", "2", "--shard"});
+  std::vector<double> first;
+  for (const auto& m : modes) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), m.begin(), m.end());
+    const std::vector<double> two = run_world(2, a);  // also: every rank ends with rank 0's
+    ASSERT_EQ(two.size(), one.size()) << m[1];
+    EXPECT_LT(max_abs_diff(two, one), 1e-12) << m[1];
+    // `unused` was never stepped (AdamW's weight decay would have moved it).
+    EXPECT_EQ(std::vector<double>(two.end() - 8, two.end()),
+              std::vector<double>(init.end() - 8, init.end()))
+        << m[1];
+    if (first.empty())
+      first = two;
+    else
+      EXPECT_EQ(two, first) << m[1] << " differs from normal mode";
+  }
+  EXPECT_GT(max_abs_diff(one, init, 64, 64 + 8 + 24), 1e-3) << "sanity: wa and wb trained";
+}
+
+// A float64 and a float32 parameter in one model: each is averaged in its own precision (a
+// bucket of both, in float, would round the float64 gradients to float).
+TEST(Distributed, MixedDtypesAreEachAveragedInTheirOwnPrecision) {
+  const std::vector<std::string> base{"--model", "mixed", "--plugin", "sgd.so", "--steps", "4"};
+  std::vector<std::string> single = base;
+  single.insert(single.end(), {"--mode", "normal"});
+  const std::vector<double> one = run_world(1, single);
+  ASSERT_EQ(one.size(), 12u);
+  for (const auto& m : std::vector<std::vector<std::string>>{
+           {"--mode", "normal"}, {"--mode", "fused"}, {"--mode", "groups", "--groups", "1"}}) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), m.begin(), m.end());
+    const std::vector<double> two = run_world(2, a);
+    ASSERT_EQ(two.size(), one.size()) << m[1];
+    EXPECT_LT(max_abs_diff(two, one, 0, 6), 1e-14) << m[1] << ": the float64 parameter";
+    EXPECT_LT(max_abs_diff(two, one, 6, 12), 1e-5) << m[1] << ": the float32 parameter";
+  }
+}
+
+// Normal mode takes what one process takes: a frozen parameter in the optimizer (requires_grad
+// off) and a parameter whose gradient hook sees an undefined gradient (a C++ autograd function
+// may return one) are left alone, not averaged and not stepped.
+TEST(Distributed, FrozenAndGradientlessParametersAreLeftAloneAsInOneProcess) {
+  for (const std::string model : {"frozen", "undef"}) {
+    std::vector<std::vector<std::string>> modes{{"--mode", "normal"}};
+    if (model == "undef") modes = kModes;  // the hooked modes refuse a frozen parameter
+    const std::vector<std::string> base{"--model", model, "--steps", "3"};
+    std::vector<std::string> single = base;
+    single.insert(single.end(), {"--mode", "normal"});
+    const std::vector<double> one = run_world(1, single);
+    std::vector<std::string> none = single;
+    none[3] = "0";
+    const std::vector<double> init = run_world(1, none);
+    ASSERT_FALSE(one.empty());
+    // The parameter left alone: ln1.weight (elements 17*8 + 8*12 + 12 on) or the extra one.
+    const size_t from = model == "frozen" ? 17 * 8 + 8 * 12 + 12 : one.size() - 3;
+    EXPECT_EQ(max_abs_diff(one, init, from, from + (model == "frozen" ? 12 : 3)), 0) << model;
+    for (const auto& m : modes) {
+      std::vector<std::string> a = base;
+      a.insert(a.end(), m.begin(), m.end());
+      const std::vector<double> two = run_world(2, a);
+      ASSERT_EQ(two.size(), one.size()) << model << " " << m[1];
+      EXPECT_LT(max_abs_diff(two, one), 1e-12) << model << " " << m[1];
+    }
+  }
+}
+
 TEST(Distributed, ARankThatDiesMakesTheOthersFailWithAClearError) {
   Dir d;
   const int port = fusebox::free_local_port();

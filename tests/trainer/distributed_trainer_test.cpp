@@ -147,6 +147,83 @@ def forward(self, x):
   EXPECT_TRUE(identical(a.buffers, b.buffers));
 }
 
+// A script model whose rows choose the parameters they use: wa for rows with x0 > 0, wb (another
+// shape) for rows with x1 > 1. A rank whose rows need neither leaves it out of its graph, so the
+// ranks' gradients differ in which parameters they hold: over these 8 steps wa is used by both
+// ranks or by one, wb by one rank only, and neither by any rank at step 2 after both were used at
+// step 1 (AdamW would still move them if they were stepped); `unused` is never used. With the
+// small buckets of the fused run wa and wb fall into different buckets. The loss is a mean over the
+// rows: one process over the whole batch averages the rows' gradients, which is what the ranks'
+// average (with zeros from a rank without a gradient) gives, and every rank must step what any
+// rank had a gradient for. At each forward the model compares the weights it had at its previous
+// forward with rank 0's (kept in a buffer, which the trainer broadcasts from rank 0 before every
+// forward) and fails the run if they differ in any bit.
+TEST(TrainerDistributed, ParametersUsedOnSomeRanksOnlyTrainLikeOneProcessInEveryMode) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  torch::jit::Module m("Net");
+  torch::manual_seed(0);
+  m.register_parameter("w0", torch::randn({8, 64}, torch::kFloat64) * 0.3, false);
+  m.register_parameter("wa", torch::randn({64, 1}, torch::kFloat64) * 0.1, false);
+  m.register_parameter("wb", torch::randn({64, 3}, torch::kFloat64) * 0.1, false);
+  m.register_parameter("unused", torch::randn({8, 1}, torch::kFloat64) * 0.3, false);
+  const int64_t n = 512 + 64 + 192 + 8;
+  m.register_buffer("seen", torch::zeros({n}, torch::kFloat64));  // rank 0's weights
+  m.register_attribute("mine", c10::TensorType::get(), torch::zeros({n}, torch::kFloat64));
+  m.define(R"(
+def forward(self, x):
+    assert torch.equal(self.seen, self.mine), "this rank's weights differ from rank 0's"
+    cur = torch.cat([self.w0.detach().flatten(), self.wa.detach().flatten(),
+                     self.wb.detach().flatten(), self.unused.detach().flatten()])
+    self.seen = cur
+    self.mine = cur.clone()
+    h = x.matmul(self.w0)
+    t = x.sum(1, keepdim=True)
+    loss = ((h.sum(1, keepdim=True) - t) ** 2).sum()
+    a = x[:, 0] > 0.0
+    if bool(a.any()):
+        loss = loss + ((h[a].matmul(self.wa) - t[a]) ** 2).sum()
+    b = x[:, 1] > 1.0
+    if bool(b.any()):
+        loss = loss + ((h[b].matmul(self.wb).sum(1, keepdim=True) - t[b]) ** 2).sum()
+    return loss / x.size(0)
+)");
+  const std::string script = d.file("branchy.pt");
+  m.save(script);
+  const at::Tensor unused = m.attr("unused").toTensor();
+  const std::string base = "--plugin-dir " + std::string(FUSEBOX_PLUGIN_DIR) + " --model-script " +
+                           script +
+                           " --model-width 8 --dtype float64 --threads 1 --optimizer adamw "
+                           "--learning-rate 0.01 --train-batch-size 4 --max-train-steps 8";
+  Result one = train(d, "one", base);
+  ASSERT_EQ(one.code, 0) << one.err;
+  const auto ref = weights(d, "one");
+  EXPECT_TRUE(at::equal(ref.at("unused"), unused));
+  EXPECT_GT((ref.at("wb") - m.attr("wb").toTensor()).abs().max().item<double>(), 1e-3);
+  std::map<std::string, at::Tensor> first;
+  for (const std::string mode :
+       {"", "--fused-backward-pass --dist-bucket-mb 0.001", "--fused-optimizer-groups 3",
+        "--fused-backward-pass --shard-optimizer-state"}) {
+    SCOPED_TRACE(mode.empty() ? "normal" : mode);
+    // Before, buckets of different sizes made Gloo abort (or same-sized ones mixed wa with wb).
+    Result two = train(d, "two", base + " --nproc-per-node 2 " + mode);
+    ASSERT_EQ(two.code, 0) << two.err;
+    const auto w = weights(d, "two");
+    EXPECT_LT(max_diff(w, ref), 1e-10);
+    EXPECT_TRUE(at::equal(w.at("unused"), unused)) << "a parameter no rank used was stepped";
+    if (mode.find("fused") != std::string::npos) {
+      EXPECT_NE(two.err.find("parameter 'unused' received no gradient in this iteration on any "
+                             "rank and was not updated"),
+                std::string::npos)
+          << two.err;
+    }
+    if (first.empty())
+      first = w;
+    else
+      EXPECT_TRUE(identical(w, first)) << "differs from 2-rank normal mode";
+  }
+}
+
 // A gradient that is NaN at step 3 (sqrt(|0 * w|) has a finite value and a NaN gradient): its
 // average is NaN on every rank, so in every mode the job stops at that step with exit 3 at once
 // rather than after --dist-timeout, the parameter named, and no checkpoint of step 3 is written.

@@ -63,7 +63,8 @@ class FUSEBOX_VISIBLE Communicator {
   virtual ~Communicator();
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
-  /// Starts replacing every tensor with its mean over the ranks (one flat buffer for all).
+  /// Starts replacing every tensor with its mean over the ranks (the sum divided by the world
+  /// size), in one flat buffer for all: of doubles when any tensor is double, else of floats.
   virtual std::unique_ptr<Pending> average(std::vector<at::Tensor> tensors) = 0;
   /// Starts copying `tensors` from rank `root` into the same tensors on every other rank.
   virtual std::unique_ptr<Pending> broadcast(std::vector<at::Tensor> tensors, int root) = 0;

@@ -48,10 +48,15 @@ struct StepOptions {
   std::function<void(const std::string&)> warn;
   /// Data parallel (fusebox/core/distributed.h): gradients are averaged over the ranks as soon as
   /// they are accumulated, overlapping the rest of backward, and before any check or step.
-  /// Every rank must run the same model and mode. Null or world size 1: single process.
+  /// Every rank must run the same model and mode. A parameter may get a gradient on some ranks
+  /// only (a forward that branches on the data): every rank then steps it with the average over
+  /// all ranks (zeros from those without one), as PyTorch's DistributedDataParallel does; one that
+  /// no rank got a gradient for is not stepped, as in one process. Parameters without
+  /// requires_grad (normal mode) are left alone. Null or world size 1: single process.
   std::shared_ptr<Communicator> comm;
-  /// Normal and fused modes: gradients are averaged in buckets of about this many bytes
-  /// (groups average each group as one bucket).
+  /// Normal and fused modes: gradients are averaged in buckets of about this many bytes, planned
+  /// once from the parameters (one dtype each) and the same on every rank (groups average each
+  /// group as one bucket).
   int64_t bucket_bytes = int64_t{25} << 20;
   /// Data parallel only, ZeRO stage 1: each rank steps, and keeps optimizer state for, only its
   /// share of the parameters (parameter_owners), then sends them to the other ranks. Results are
