@@ -117,6 +117,7 @@ void GradReducer::launch(Bucket& b) {
   }
   b.buffer.narrow(0, b.numel, static_cast<int64_t>(m))
       .copy_(at::tensor(had, at::TensorOptions(at::kDouble)));
+  b.all_local = std::all_of(had.begin(), had.end(), [](double h) { return h > 0; });
   in_flight_bytes_ += b.bytes;
   // One contiguous tensor of a wire type: summed and divided by the world size in place.
   b.pending = comm_->average({b.buffer});
@@ -126,11 +127,14 @@ void GradReducer::unpack(Bucket& b, std::vector<size_t>& out) {
   at::NoGradGuard no_grad;
   const size_t m = b.members.size();
   // The counts, divided by the world size like the rest: positive where some rank had a gradient.
-  const at::Tensor counts =
-      b.buffer.narrow(0, b.numel, static_cast<int64_t>(m)).to(at::kCPU, at::kDouble);
-  const double* had = counts.data_ptr<double>();
+  // Read back (a host sync on a GPU) only when this rank lacked a member's gradient: otherwise
+  // every count is positive.
+  at::Tensor counts;
+  if (!b.all_local)
+    counts = b.buffer.narrow(0, b.numel, static_cast<int64_t>(m)).to(at::kCPU, at::kDouble);
+  const double* had = b.all_local ? nullptr : counts.data_ptr<double>();
   for (size_t j = 0; j < m; ++j) {
-    if (!(had[j] > 0)) continue;  // no rank had a gradient: none here either
+    if (had && !(had[j] > 0)) continue;  // no rank had a gradient: none here either
     const size_t i = b.members[j];
     const at::Tensor& p = params_[i];
     const at::Tensor avg = b.buffer.narrow(0, b.offsets[j], p.numel()).view(p.sizes());

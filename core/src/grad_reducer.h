@@ -63,7 +63,8 @@ class GradReducer {
     int64_t numel = 0;  // gradient elements; one count per member follows
     int64_t bytes = 0;  // the members' bytes (for the in-flight bound)
     at::ScalarType wire = at::kFloat;
-    size_t waiting = 0;  // members that have not arrived in this pass
+    size_t waiting = 0;      // members that have not arrived in this pass
+    bool all_local = false;  // this rank had every member's gradient: the counts need no read
     at::Tensor buffer;
     std::unique_ptr<Communicator::Pending> pending;
   };
