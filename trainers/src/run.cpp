@@ -350,9 +350,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   StepOptions so;
   so.max_grad_norm = c.max_grad_norm;
   so.non_finite = c.on_non_finite == "skip" ? NonFinitePolicy::Skip : NonFinitePolicy::Stop;
-  // One write per line: the ranks of a data-parallel job share stderr.
-  so.warn = [&con](const std::string& m) {
-    con.err << ("trainer: warning: " + m + "\n") << std::flush;
+  // One write per line: the ranks of a data-parallel job share stderr. The step modes' warnings
+  // (a parameter without a gradient on any rank) are the same on every rank: rank 0 says them.
+  so.warn = [&con, leader = dist.leader()](const std::string& m) {
+    if (leader) con.err << ("trainer: warning: " + m + "\n") << std::flush;
   };
   so.comm = dist.comm;
   so.bucket_bytes = static_cast<int64_t>(c.dist_bucket_mb * 1024 * 1024);
@@ -532,9 +533,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       if (bad_loss) {
         for (const auto& opt : mode->optimizers()) opt->zero_grad(true);
         stats.skipped = true;
-        con.err << ("trainer: warning: non-finite loss at step " + std::to_string(step) +
-                    ": this step's update was skipped\n")
-                << std::flush;
+        if (dist.leader())  // the loss is the ranks' mean: every rank skips this step alike
+          con.err << ("trainer: warning: non-finite loss at step " + std::to_string(step) +
+                      ": this step's update was skipped\n")
+                  << std::flush;
       } else {
         stats = mode->step();
       }
