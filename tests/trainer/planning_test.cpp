@@ -25,8 +25,11 @@ const std::string kQuick = "--optimizer sgd --max-train-steps 3 --threads 1 --lo
 Result run_unprivileged(const std::string& args, const TempDir& d) {
   std::string prefix;
   if (::geteuid() == 0) {
-    if (std::system("command -v runuser >/dev/null 2>&1") != 0) return Result{-1, "", ""};
     prefix = "runuser -u nobody -- ";
+    // The build may lie where that user cannot reach it (under /root, say).
+    if (std::system((prefix + std::string(FUSEBOX_BIN_DIR) + "/trainer --version >/dev/null 2>&1")
+                        .c_str()) != 0)
+      return Result{-1, "", ""};
   }
   const std::string cmd = prefix + std::string(FUSEBOX_BIN_DIR) + "/trainer " + args + " >" +
                           d.file("stdout.txt") + " 2>" + d.file("stderr.txt");
