@@ -27,9 +27,6 @@ namespace {
 
 std::string seconds(std::chrono::milliseconds t) { return std::to_string(t.count() / 1000) + " s"; }
 
-// Gloo reduces float and double; narrower floats travel (and are summed) as float.
-at::ScalarType wire_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
 class C10dPending final : public Communicator::Pending {
  public:
   C10dPending(c10::intrusive_ptr<c10d::Work> work, std::string what,
@@ -83,7 +80,7 @@ class C10dCommunicator final : public Communicator {
     // The buffer travels in double when any tensor is double, else in float.
     at::ScalarType wire = at::kFloat;
     for (const auto& t : tensors)
-      if (wire_type(t.scalar_type()) == at::kDouble) wire = at::kDouble;
+      if (average_wire_type(t.scalar_type()) == at::kDouble) wire = at::kDouble;
     // One tensor of the wire type is reduced in place; several are packed into one buffer.
     const bool in_place =
         tensors.size() == 1 && tensors[0].is_contiguous() && tensors[0].scalar_type() == wire;

@@ -100,9 +100,9 @@ void broadcast_parameters(Communicator& comm, const std::vector<at::Tensor>& par
 
 namespace {
 
-// `keep(r)`: whether this rank keeps rank r's bytes.
-template <class Keep>
-std::vector<std::string> exchange_bytes(Communicator& comm, const std::string& mine, Keep keep) {
+// Every rank's bytes pass through every rank; `keep`: this rank keeps them (else only its slot
+// size is known, and at most one rank's bytes are held at a time).
+std::vector<std::string> exchange_bytes(Communicator& comm, const std::string& mine, bool keep) {
   const int world = comm.world_size();
   // Sizes first (a sum where each rank fills its own slot), then each rank's bytes in turn.
   at::Tensor sizes = at::zeros({world}, at::kDouble);
@@ -114,7 +114,7 @@ std::vector<std::string> exchange_bytes(Communicator& comm, const std::string& m
     at::Tensor buf = at::empty({std::max<int64_t>(n, 1)}, at::kByte);
     if (r == comm.rank() && n > 0) std::memcpy(buf.data_ptr(), mine.data(), mine.size());
     if (auto p = comm.broadcast({buf}, r)) p->wait();
-    if (keep(r)) out[r].assign(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(n));
+    if (keep) out[r].assign(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(n));
   }
   return out;
 }
@@ -122,14 +122,11 @@ std::vector<std::string> exchange_bytes(Communicator& comm, const std::string& m
 }  // namespace
 
 std::vector<std::string> all_gather_bytes(Communicator& comm, const std::string& mine) {
-  return exchange_bytes(comm, mine, [](int) { return true; });
+  return exchange_bytes(comm, mine, /*keep=*/true);
 }
 
 std::vector<std::string> gather_bytes(Communicator& comm, const std::string& mine, int root) {
-  const bool am_root = comm.rank() == root;
-  std::vector<std::string> out = exchange_bytes(comm, mine, [&](int) { return am_root; });
-  if (!am_root) out.assign(out.size(), std::string());
-  return out;
+  return exchange_bytes(comm, mine, /*keep=*/comm.rank() == root);
 }
 
 }  // namespace fusebox

@@ -14,9 +14,6 @@ namespace {
 
 constexpr size_t kNone = std::numeric_limits<size_t>::max();
 
-// Gloo reduces float and double; narrower floats travel (and are summed) as float.
-at::ScalarType wire_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
 }  // namespace
 
 GradReducer::GradReducer(std::shared_ptr<Communicator> comm, int64_t bucket_bytes)
@@ -57,7 +54,7 @@ void GradReducer::plan(const std::vector<at::Tensor>& params,
     if (s != segment)
       while (!open.empty()) close(0);
     segment = s;
-    const at::ScalarType wire = wire_type(p.scalar_type());
+    const at::ScalarType wire = average_wire_type(p.scalar_type());
     size_t k = 0;
     while (k < open.size() && (open[k].device != p.device() || open[k].wire != wire)) ++k;
     if (k == open.size()) {

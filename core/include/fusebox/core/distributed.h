@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/ScalarType.h>
+
 #include "fusebox/error.h"
 
 namespace at {
@@ -73,6 +75,12 @@ class FUSEBOX_VISIBLE Communicator {
   /// Blocks until every rank has arrived.
   virtual void barrier() = 0;
 };
+
+/// The type Communicator::average sums a floating tensor of type `t` in: double stays double,
+/// every narrower floating type travels (and is summed) as float, as Gloo reduces only those two.
+inline at::ScalarType average_wire_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 /// Copies `params` (a model's parameters or buffers) from rank `root` to every rank; blocks.
 void broadcast_parameters(Communicator& comm, const std::vector<at::Tensor>& params, int root);
