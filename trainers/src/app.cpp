@@ -122,13 +122,10 @@ std::string shared_settings(const std::vector<PlannedRun>& plan) {
       "model_script",     "resume",       "dist_timeout"};
   std::string out;
   for (const auto& p : plan) {
-    std::istringstream in(p.config.resolved_config);
-    for (std::string line; std::getline(in, line);) {
-      if (line.empty() || line[0] == '#') continue;
-      const std::string key = line.substr(0, line.find(' '));
+    for (auto [key, value] : written_settings(p.config.resolved_config)) {
       if (local.count(key)) continue;
-      if (key == "dataset") line = line.substr(0, line.find(':'));  // text:PATH: the kind only
-      out += line + "\n";
+      if (key == "dataset") value = value.substr(0, value.find(':'));  // text:PATH: the kind only
+      out += key + " = " + value + "\n";
     }
     out += "plugin = " + p.plugin->info().name + " " + p.plugin->info().version + "\n";
   }

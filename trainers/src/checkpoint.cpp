@@ -3,13 +3,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <map>
 #include <set>
-#include <sstream>
 
 #include "fusebox/core/distributed.h"
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
+#include "output.h"
+#include "toml_io.h"
 
 namespace fusebox::trainer {
 
@@ -108,33 +108,6 @@ std::string exact_text(double v) {
   return hex;
 }
 
-std::string short_text(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
-
-}  // namespace
-
-namespace {
-
-// A resolved config's settings, "table.key" -> value text (comments and unset keys left out).
-std::map<std::string, std::string> settings_of(const std::string& toml) {
-  std::map<std::string, std::string> out;
-  std::istringstream in(toml);
-  std::string table;
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty() || line[0] == '#') continue;
-    if (line[0] == '[') {
-      table = line.substr(1, line.find(']') - 1) + ".";
-      continue;
-    }
-    const size_t eq = line.find(" = ");
-    if (eq != std::string::npos) out[table + line.substr(0, eq)] = line.substr(eq + 3);
-  }
-  return out;
-}
-
 }  // namespace
 
 std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c) {
@@ -165,7 +138,7 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
                                           "keep_last_n_checkpoints",
                                           "resume",
                                           "save_model"};
-  const auto before = settings_of(it->second), now = settings_of(c.resolved_config);
+  const auto before = written_settings(it->second), now = written_settings(c.resolved_config);
   std::string out;
   int shown = 0, more = 0;
   auto note = [&](const std::string& key, const std::string& was, const std::string& is) {
@@ -203,14 +176,14 @@ std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
   const double start = scaler.options().scale;
   auto mode = ckpt.meta.find("loss_scale_mode");
   if (mode != ckpt.meta.end() && mode->second == "fixed")
-    return "the checkpoint's run had a fixed loss scale (" + short_text(scale) +
-           "): the dynamic scale starts at --loss-scale-value " + short_text(start);
+    return "the checkpoint's run had a fixed loss scale (" + scale_text(scale) +
+           "): the dynamic scale starts at --loss-scale-value " + scale_text(start);
   auto saved_start = ckpt.meta.find("loss_scale_start");
   if (saved_start != ckpt.meta.end() && saved_start->second != exact_text(start))
-    return "--loss-scale-value " + short_text(start) +
+    return "--loss-scale-value " + scale_text(start) +
            " differs from the checkpoint's run: the dynamic scale starts at it, not at the "
            "checkpoint's " +
-           short_text(scale);
+           scale_text(scale);
   try {
     scaler.restore(scale, good->second);
   } catch (const Error& e) {

@@ -202,6 +202,12 @@ OutputFolderLock::~OutputFolderLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
+std::string scale_text(double scale) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", scale);
+  return buf;
+}
+
 MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups,
                                     bool loss_scale, const std::string* last_record) {
   MetricsHistory h;

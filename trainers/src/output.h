@@ -40,6 +40,9 @@ struct RunSummary {
   int64_t weights_bytes = 0, state_bytes = 0, grads_alive_bytes = 0;
 };
 
+/// A loss scale in messages ("65536", "1.7e+38").
+std::string scale_text(double scale);
+
 /// JSON text of a summary.
 std::string summary_json(const RunSummary& s);
 /// Human-readable summary lines.

@@ -91,12 +91,6 @@ double mean_over_ranks(double value, const Distributed& dist, bool& stop) {
   return t[0].item<double>() / dist.config.world_size;
 }
 
-std::string scale_text(double scale) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", scale);
-  return buf;
-}
-
 std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
 
 ModelOptions model_options(const TrainConfig& c) {
@@ -401,19 +395,6 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   if (resumed)
     if (auto it = resumed->counters.find("skipped_in_a_row"); it != resumed->counters.end())
       skipped_in_a_row = std::max<int64_t>(0, it->second);
-  std::string last_record;  // the newest metrics record, saved with each checkpoint
-  const CheckpointContext ckpt_ctx{c,
-                                   plugin,
-                                   *model,
-                                   *mode,
-                                   scheduler,
-                                   *data,
-                                   dist.comm,
-                                   dist.leader(),
-                                   so.shard_optimizer_state,
-                                   &skipped_in_a_row,
-                                   so.loss_scaler.get(),
-                                   &last_record};
 
   RunSummary summary;
   summary.name = c.name;
@@ -470,6 +451,18 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size(), std::move(history),
                      scaled);
+  const CheckpointContext ckpt_ctx{c,
+                                   plugin,
+                                   *model,
+                                   *mode,
+                                   scheduler,
+                                   *data,
+                                   dist.comm,
+                                   dist.leader(),
+                                   so.shard_optimizer_state,
+                                   &skipped_in_a_row,
+                                   so.loss_scaler.get(),
+                                   &files.last_record()};  // the newest metrics record
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]", first_step);
   const bool autocast = autocast_enabled(c);
@@ -586,18 +579,15 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       if (m.peak_bytes > summary.peak_bytes)
         summary.peak_bytes = m.peak_bytes, summary.peak_phase = m.peak_phase;
       files.add(m);
-      last_record = files.last_record();
       progress.update(m, seconds_since(start));
       const bool final = step == c.max_train_steps;
-      // Metrics first: after a kill they cover at least the newest checkpoint's steps.
-      if (checkpoint_due(c, step, final) && dist.leader()) files.snapshot();
-      save_checkpoint_if_due(ckpt_ctx, step, final);
+      // Alone, a signal is seen at once; ranks agreed on it in the loss's all-reduce.
       if (!dist.comm) stop_requested = stop_requested || interrupt_signal() != 0;
-      if (stop_requested && !final) {
-        if (!checkpoint_due(c, step, false)) {
-          if (checkpoint_due(c, step, true) && dist.leader()) files.snapshot();
-          save_checkpoint_if_due(ckpt_ctx, step, /*final=*/true);
-        }
+      const bool stopping = stop_requested && !final;  // saved like the final step
+      // Metrics first: after a kill they cover at least the newest checkpoint's steps.
+      if (checkpoint_due(c, step, final || stopping) && dist.leader()) files.snapshot();
+      save_checkpoint_if_due(ckpt_ctx, step, final || stopping);
+      if (stopping) {
         progress.finish();
         const int sig = interrupt_signal();
         throw Interrupted(

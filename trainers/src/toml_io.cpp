@@ -304,4 +304,20 @@ std::string write_config(const Layer& base, const std::vector<RunEntry>& runs) {
   return o.str();
 }
 
+std::map<std::string, std::string> written_settings(const std::string& toml) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(toml);
+  std::string table;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    if (line[0] == '[') {
+      table = line.substr(1, line.find(']') - 1) + ".";
+      continue;
+    }
+    const size_t eq = line.find(" = ");
+    if (eq != std::string::npos) out[table + line.substr(0, eq)] = line.substr(eq + 3);
+  }
+  return out;
+}
+
 }  // namespace fusebox::trainer

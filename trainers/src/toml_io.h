@@ -5,6 +5,7 @@
 // run has a `name` and overrides any top-level key (and [runs.optimizer_args] keys).
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -32,5 +33,9 @@ ConfigFile parse_config_text(const std::string& text, const std::string& source)
 
 /// Renders `base` (and `runs`) as a config that read_config_file accepts.
 std::string write_config(const Layer& base, const std::vector<RunEntry>& runs);
+
+/// The settings of a config write_config rendered without runs, "table.key" (top level: "key")
+/// -> the value's text; comments (unset keys) are left out.
+std::map<std::string, std::string> written_settings(const std::string& toml);
 
 }  // namespace fusebox::trainer
