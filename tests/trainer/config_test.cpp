@@ -52,6 +52,40 @@ TEST(TrainerConfig, CommandLineOverridesConfigWhichOverridesDefaults) {
   EXPECT_FALSE(c.fused_backward_pass);
 }
 
+// The learning rate can be given two ways (--learning-rate, the optimizer argument lr): a layer
+// giving it either way replaces the layer below; given both ways in one layer it is an error.
+TEST(TrainerConfig, TheLearningRateGivenEitherWayOverridesTheLayerBelow) {
+  TrainConfig c =
+      resolve("optimizer = \"sgd\"\nlearning_rate = 0.1\n", {"--optimizer-args", "lr=0.2"});
+  EXPECT_FALSE(c.learning_rate.has_value());
+  ASSERT_EQ(c.optimizer_args.count("lr"), 1u);
+  EXPECT_EQ(c.optimizer_args.at("lr").text, "0.2");
+  c = resolve("optimizer = \"sgd\"\n[optimizer_args]\nlr = 0.1\nmomentum = 0.5\n",
+              {"--learning-rate", "0.3"});
+  EXPECT_DOUBLE_EQ(*c.learning_rate, 0.3);
+  EXPECT_EQ(c.optimizer_args.count("lr"), 0u);
+  EXPECT_EQ(c.optimizer_args.count("momentum"), 1u);  // the other arguments stay
+  // A [[runs]] entry is a layer too.
+  ConfigFile f = parse_config_text(
+      "optimizer = \"sgd\"\nlearning_rate = 0.1\n[[runs]]\nname = \"a\"\n"
+      "[runs.optimizer_args]\nlr = 0.4\n",
+      "run.toml");
+  Layer l = default_layer();
+  l.overlay(f.base);
+  l.overlay(f.runs.at(0).layer);
+  c = resolve_config(l, "a");
+  EXPECT_FALSE(c.learning_rate.has_value());
+  EXPECT_DOUBLE_EQ(std::get<double>(c.optimizer_args.at("lr").value), 0.4);
+  // Both ways in one file is still ambiguous.
+  const std::string m = error_of([] {
+    resolve("optimizer = \"sgd\"\nlearning_rate = 0.1\n[optimizer_args]\nlr = 0.2\n", {});
+  });
+  EXPECT_NE(m.find("run.toml:2:17: learning_rate: the learning rate is also given as optimizer "
+                   "argument lr (run.toml:4:6); give it once"),
+            std::string::npos)
+      << m;
+}
+
 TEST(TrainerConfig, OptimizerArgsMergePerKeyCommandLineWinning) {
   const std::string toml =
       "optimizer = \"sgd\"\n[optimizer_args]\nmomentum = 0.5\nnesterov = true\nbetas = [0.9, "

@@ -238,13 +238,7 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     std::vector<RunEntry> runs;
     for (size_t i = 0; i < entries.size() && !file.runs.empty(); ++i) {
       RunEntry r = entries[i];
-      for (const auto& [k, v] : cl.layer.values) r.layer.values.erase(k);
-      // As in Layer::overlay: naming the plugin either way replaces both ways.
-      if (cl.layer.values.count("optimizer") || cl.layer.values.count("optimizer-plugin")) {
-        r.layer.values.erase("optimizer");
-        r.layer.values.erase("optimizer-plugin");
-      }
-      for (const auto& [k, v] : cl.layer.optimizer_args) r.layer.optimizer_args.erase(k);
+      r.layer.remove_overridden(cl.layer);
       r.layer.optimizer_args = typed_args(r.layer.optimizer_args, plan[i].plugin.get());
       runs.push_back(r);
     }

@@ -277,12 +277,20 @@ bool is_config_key(const OptionSpec& spec) {
   return spec.kind != Kind::Action && spec.kind != Kind::ActionArg && spec.name != "optimizer-args";
 }
 
-void Layer::overlay(const Layer& other) {
-  // The plugin is named one way or the other: a layer naming it replaces both of the layer below.
-  if (other.values.count("optimizer") || other.values.count("optimizer-plugin")) {
+void Layer::remove_overridden(const Layer& upper) {
+  for (const auto& kv : upper.values) values.erase(kv.first);
+  for (const auto& kv : upper.optimizer_args) optimizer_args.erase(kv.first);
+  // Two settings can be given two ways each: a layer naming one way replaces both below it.
+  if (upper.values.count("optimizer") || upper.values.count("optimizer-plugin")) {
     values.erase("optimizer");
     values.erase("optimizer-plugin");
   }
+  if (upper.values.count("learning-rate")) optimizer_args.erase("lr");
+  if (upper.optimizer_args.count("lr")) values.erase("learning-rate");
+}
+
+void Layer::overlay(const Layer& other) {
+  remove_overridden(other);
   for (const auto& [k, v] : other.values) values[k] = v;
   for (const auto& [k, v] : other.optimizer_args) optimizer_args[k] = v;
 }

@@ -72,6 +72,9 @@ struct Layer {
   UserArgs optimizer_args;                ///< [optimizer_args] / --optimizer-args
   /// Puts `other` on top of this layer (lists are replaced, optimizer args merged per key).
   void overlay(const Layer& other);
+  /// Removes what `upper` sets, counting a setting given the other way (--optimizer for
+  /// --optimizer-plugin, --learning-rate for the optimizer argument lr) as the same setting.
+  void remove_overridden(const Layer& upper);
 };
 
 /// The default value of every option that has one.
