@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
-#include <thread>
 
+#include "fusebox/core/host_resources.h"
 #include "fusebox/error.h"
 
 namespace fusebox {
@@ -43,8 +43,6 @@ ComputeThreads set_compute_threads(int intra_op, int blas) {
   return out;
 }
 
-int available_cores() {
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
+int available_cores() { return host::usable_cores(); }
 
 }  // namespace fusebox

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "../openblas_probe.h"
+#include "fusebox/core/host_resources.h"
 #include "fusebox/core/threads.h"
 #include "fusebox/error.h"
 
@@ -66,9 +67,12 @@ TEST_F(ComputeThreadsTest, RejectsBadCounts) {
 
 }  // namespace
 
-TEST(ComputeThreads, AvailableCoresIsTheMachinesCountAndAtLeastOne) {
+// The cores this process may use (affinity mask and CPU quota: HostResources.*), at most the
+// machine's.
+TEST(ComputeThreads, AvailableCoresAreTheUsableCoresAndAtLeastOne) {
   EXPECT_GE(fusebox::available_cores(), 1);
+  EXPECT_EQ(fusebox::available_cores(), fusebox::host::usable_cores());
   if (std::thread::hardware_concurrency() > 0) {
-    EXPECT_EQ(fusebox::available_cores(), static_cast<int>(std::thread::hardware_concurrency()));
+    EXPECT_LE(fusebox::available_cores(), static_cast<int>(std::thread::hardware_concurrency()));
   }
 }

@@ -1,5 +1,6 @@
 // Sizes the machine cannot hold, through the real trainer program: a built-in model whose
-// parameters exceed the physical memory is refused before it is built (exit 2), and an allocation
+// parameters exceed the memory this process may use (the physical memory, or a cgroup limit) is
+// refused before it is built (exit 2), and an allocation
 // that fails during training is one line naming the step, the size and the options (exit 3);
 // both at once, without filling the memory.
 #include <gtest/gtest.h>
@@ -8,7 +9,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
 
+#include "fusebox/core/host_resources.h"
 #include "model.h"
 #include "trainer_test_util.h"
 
@@ -16,9 +19,52 @@ using namespace fusebox::trainer::testing;
 
 namespace {
 
-int64_t physical_memory() {
-  return static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
-}
+// What the trainer sizes against: the physical memory, or a lower cgroup limit on this process.
+int64_t physical_memory() { return fusebox::host::usable_memory().bytes; }
+
+// A cgroup of this test's own, below the one it runs in, for the memory controller (v1, or v2
+// where the controller can be enabled below): made by root only, so the test skips elsewhere.
+class MemoryCgroup {
+ public:
+  explicit MemoryCgroup(int64_t limit) {
+    std::ifstream in("/proc/self/cgroup");
+    std::string line, v1, v2;
+    while (std::getline(in, line)) {
+      const size_t a = line.find(':'), b = line.find(':', a + 1);
+      const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+      if (line.compare(0, 2, "0:") == 0 && controllers.empty()) v2 = path;
+      if (("," + controllers + ",").find(",memory,") != std::string::npos) v1 = path;
+    }
+    const std::string name = "/fusebox-test-" + std::to_string(::getpid());
+    std::error_code ec;
+    if (!v1.empty() && std::filesystem::exists("/sys/fs/cgroup/memory/memory.limit_in_bytes")) {
+      dir_ = "/sys/fs/cgroup/memory" + (v1 == "/" ? "" : v1) + name;
+      if (!std::filesystem::create_directory(dir_, ec) ||
+          !write(dir_ + "/memory.limit_in_bytes", std::to_string(limit)))
+        clear();
+    } else if (!v2.empty()) {
+      dir_ = "/sys/fs/cgroup" + (v2 == "/" ? "" : v2) + name;
+      if (!std::filesystem::create_directory(dir_, ec) ||
+          !write(dir_ + "/memory.max", std::to_string(limit)))
+        clear();
+    }
+  }
+  ~MemoryCgroup() { clear(); }
+  bool made() const { return !dir_.empty(); }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  static bool write(const std::string& file, const std::string& text) {
+    std::ofstream out(file);
+    out << text << std::flush;
+    return static_cast<bool>(out);
+  }
+  void clear() {
+    if (!dir_.empty()) ::rmdir(dir_.c_str());
+    dir_.clear();
+  }
+  std::string dir_;
+};
 
 // The largest resident set of any child process that has ended so far, in KiB.
 long children_max_rss_kib() {
@@ -133,6 +179,34 @@ TEST(TrainerMemoryLimits, AModelLargerThanTheMachineIsRefusedBeforeItIsBuilt) {
   EXPECT_EQ(t.result.code, 2) << t.result.err;
   EXPECT_EQ(t.result.err, "trainer: error: --model-depth: must be at most 10000, got 100000000\n");
   EXPECT_LT(children_max_rss_kib(), 2 * 1024 * 1024);
+}
+
+// In a container or a batch job the cgroup's limit counts, not the machine's memory: a model that
+// the machine could hold but the cgroup cannot is refused, not killed by the OOM killer.
+TEST(TrainerMemoryLimits, AModelLargerThanTheCgroupLimitIsRefusedBeforeItIsBuilt) {
+  constexpr int64_t kLimit = int64_t{1} << 30;
+  if (fusebox::host::usable_memory().bytes < 4 * kLimit) GTEST_SKIP() << "a small machine";
+  MemoryCgroup cgroup(kLimit);
+  if (!cgroup.made()) GTEST_SKIP() << "cannot make a memory cgroup here (needs root)";
+  TempDir tmp;
+  // 1000 layers of 2 GiB in all: twice the limit, well below the machine.
+  const std::string cmd = "sh -c 'echo $$ > " + cgroup.dir() +
+                          "/cgroup.procs && exec timeout -k 5 600 " + std::string(FUSEBOX_BIN_DIR) +
+                          "/trainer --optimizer sgd --max-train-steps 1 --threads 1 --model mlp "
+                          "--model-depth 1000 --model-width 733 --output-dir " +
+                          tmp.file("out") + "' >" + tmp.file("stdout.txt") + " 2>" +
+                          tmp.file("stderr.txt");
+  const int status = std::system(cmd.c_str());
+  const std::string err = read_text(tmp.file("stderr.txt"));
+  ASSERT_TRUE(WIFEXITED(status)) << "killed: " << err;
+  EXPECT_EQ(WEXITSTATUS(status), 2) << err;
+  EXPECT_EQ(count_lines(err), 1) << err;
+  EXPECT_NE(err.find(" in float32, more than the 1.0 GiB of memory this process may use (the "
+                     "cgroup limit in " +
+                     cgroup.dir() + "/memory."),
+            std::string::npos)
+      << err;
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
 }
 
 // 10^12 samples of 64 floats are 232.8 TiB, more than any address space holds: the allocation is

@@ -1,5 +1,6 @@
 // The real trainer program: exit codes and one-line errors on stderr.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <torch/cuda.h>
 
 #include <filesystem>
@@ -83,6 +84,29 @@ TEST(TrainerBinary, SetsAndReportsBothThreadPools) {
   r = run_program(base + " --blas-threads -1", dir.str());
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.err, "trainer: error: --blas-threads: must be at least 0, got -1\n");
+}
+
+// Without --threads/--blas-threads both pools take the cores this process may use: a process
+// pinned to one core (taskset, a cpuset) runs one thread in each, not one per core of the machine.
+TEST(TrainerBinary, ThreadPoolsDefaultToTheCoresThisProcessMayUse) {
+  if (std::system("command -v taskset >/dev/null") != 0) GTEST_SKIP() << "no taskset";
+  TempDir dir;
+  cpu_set_t mine;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof mine, &mine), 0);
+  int first = 0;
+  while (!CPU_ISSET(first, &mine)) ++first;
+  const std::string cmd = "timeout -k 5 600 taskset -c " + std::to_string(first) + " " +
+                          std::string(FUSEBOX_BIN_DIR) + "/trainer --plugin-dir " +
+                          FUSEBOX_PLUGIN_DIR +
+                          " --optimizer sgd --model-width 8 --max-train-steps 1 --output-dir '' >" +
+                          dir.file("stdout.txt") + " 2>" + dir.file("stderr.txt");
+  const int status = std::system(cmd.c_str());
+  const std::string out = testing::read_text(dir.file("stdout.txt"));
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << testing::read_text(dir.file("stderr.txt"));
+  EXPECT_NE(out.find(openblas_loaded() ? "threads: 1 intra-op, 1 OpenBLAS" : "threads: 1 intra-op"),
+            std::string::npos)
+      << out;
 }
 
 // The config file shown in docs/trainer.md is valid as written.

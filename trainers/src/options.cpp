@@ -149,11 +149,13 @@ std::vector<OptionSpec> build_specs() {
   at_least(seed, 0);
   at_most(seed, 4294967295.0);
   OptionSpec& threads =
-      add(opt("threads", Kind::Int, cores, "intra-op CPU threads (default: the core count)", "N"));
+      add(opt("threads", Kind::Int, cores,
+              "intra-op CPU threads (default: the cores this process may use)", "N"));
   at_least(threads, 1), at_most(threads, kMaxThreads), threads.derived_default = true;
-  OptionSpec& blas_threads =
-      add(opt("blas-threads", Kind::Int, int64_t{0},
-              "OpenBLAS threads for matrix products (0: OpenBLAS's own count, one per core)", "N"));
+  OptionSpec& blas_threads = add(opt("blas-threads", Kind::Int, int64_t{0},
+                                     "OpenBLAS threads for matrix products (0: the cores this "
+                                     "process may use, shared by local ranks)",
+                                     "N"));
   at_least(blas_threads, 0), at_most(blas_threads, kMaxThreads);
   blas_threads.derived_default = true;
 

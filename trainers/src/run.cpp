@@ -18,6 +18,7 @@
 #include "fusebox/core/autocast.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/device.h"
+#include "fusebox/core/host_resources.h"
 #include "fusebox/core/loss_scaler.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/memory_accounting.h"
@@ -101,15 +102,18 @@ ModelOptions model_options(const TrainConfig& c) {
   return mo;
 }
 
-// The machine's physical memory in bytes (0 when sysconf cannot tell).
-int64_t physical_memory() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
-}
-
 std::string bytes_text(double bytes) {
   constexpr double kMax = static_cast<double>(std::numeric_limits<int64_t>::max());
   return memory::format_bytes(static_cast<int64_t>(std::min(bytes, kMax)));
+}
+
+// "12 GiB of memory this machine has", or "4 GiB of memory this process may use (the cgroup
+// limit in /sys/fs/cgroup/.../memory.max)".
+std::string memory_text(const host::MemoryLimit& m) {
+  const std::string bytes = bytes_text(static_cast<double>(m.bytes));
+  return m.cgroup_file.empty() ? bytes + " of memory this machine has"
+                               : bytes + " of memory this process may use (the cgroup limit in " +
+                                     m.cgroup_file + ")";
 }
 
 // "--a", "--a or --b", "--a, --b or --c".
@@ -130,18 +134,19 @@ std::vector<std::string> parameter_options(const TrainConfig& c) {
   return o;
 }
 
-// The built-in model's parameters must fit in the machine's memory, or building it would fill
-// the memory layer by layer until the kernel kills the process. Only the parameters are counted
+// The built-in model's parameters must fit in the memory this process may use (the machine's, or
+// a lower cgroup limit), or building it would fill the memory layer by layer until the kernel
+// kills the process. Only the parameters are counted
 // (gradients, optimizer state and activations come on top), so what is refused cannot train.
 void check_model_fits(const TrainConfig& c, int local_ranks) {
   if (c.model_script) return;
-  const int64_t memory = physical_memory();
-  if (memory <= 0) return;
+  const host::MemoryLimit memory = host::usable_memory();
+  if (memory.bytes <= 0) return;
   const double count = builtin_parameter_count(model_options(c));
   // Built in float32, then converted: float32's bytes are needed even for bf16.
   const double element = c.dtype == "float64" ? 8 : 4;
   const double bytes = count * element, all = bytes * std::max(1, local_ranks);
-  if (all <= static_cast<double>(memory)) return;
+  if (all <= static_cast<double>(memory.bytes)) return;
   char n[32];
   std::snprintf(n, sizeof n, count < 1e9 ? "%.0f" : "%.3g", count);
   std::vector<std::string> lower = parameter_options(c);
@@ -156,8 +161,7 @@ void check_model_fits(const TrainConfig& c, int local_ranks) {
               (c.full_bf16    ? " as it is built in float32 (before its conversion to bf16)"
                : element == 8 ? " in float64"
                               : " in float32") +
-              ranks + ", more than the " + bytes_text(static_cast<double>(memory)) +
-              " of memory this machine has; lower " + either(lower));
+              ranks + ", more than the " + memory_text(memory) + "; lower " + either(lower));
 }
 
 // When `what` is LibTorch's out-of-memory error (the CPU allocator's "can't allocate memory",
@@ -169,8 +173,11 @@ std::string out_of_memory_text(const std::string& what, const TrainConfig& c) {
   if (std::regex_search(what, m,
                         std::regex("can't allocate memory: you tried to allocate (\\d+)"))) {
     asked = bytes_text(std::stod(m[1].str()));
-    if (const int64_t memory = physical_memory(); memory > 0)
-      where = ", and this machine has " + bytes_text(static_cast<double>(memory));
+    if (const host::MemoryLimit memory = host::usable_memory(); memory.bytes > 0)
+      where = memory.cgroup_file.empty()
+                  ? ", and this machine has " + bytes_text(static_cast<double>(memory.bytes))
+                  : ", and this process may use " + bytes_text(static_cast<double>(memory.bytes)) +
+                        " (the cgroup limit in " + memory.cgroup_file + ")";
   } else if (std::regex_search(
                  what, m, std::regex("out of memory\\. Tried to allocate ([0-9.]+ [KMGTP]?i?B)"))) {
     asked = m[1].str();
@@ -273,8 +280,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   const int64_t local_ranks = std::max(1, dist.config.local_world_size);
   int64_t threads = c.threads, blas_threads = c.blas_threads;
   if (!c.threads_given) threads = std::max<int64_t>(1, threads / local_ranks);
-  if (!c.blas_threads_given && local_ranks > 1)
-    blas_threads = std::max<int64_t>(1, available_cores() / local_ranks);
+  if (!c.blas_threads_given) blas_threads = std::max<int64_t>(1, available_cores() / local_ranks);
   const ComputeThreads used =
       set_compute_threads(static_cast<int>(threads), static_cast<int>(blas_threads));
   at::manual_seed(static_cast<uint64_t>(c.seed));

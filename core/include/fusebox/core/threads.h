@@ -21,7 +21,8 @@ struct ComputeThreads {
 /// follows `at::set_num_threads` already.)
 ComputeThreads set_compute_threads(int intra_op, int blas = 0);
 
-/// The cores this machine reports (at least 1): the default size of both pools.
+/// The cores this process may use (at least 1): its CPU affinity mask, lowered to a cgroup CPU
+/// quota (fusebox/core/host_resources.h). The default size of both pools.
 int available_cores();
 
 }  // namespace fusebox

@@ -1,0 +1,185 @@
+// Cores and memory this process may use: cgroup v1 and v2 trees made up in a temporary folder
+// (the mount table and the process's cgroup lines as the kernel writes them), and the affinity
+// mask of a real thread.
+#include "fusebox/core/host_resources.h"
+
+#include <gtest/gtest.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+
+namespace fs = std::filesystem;
+using fusebox::host::CgroupSources;
+
+namespace {
+
+// A made-up root: /proc/self files and cgroup folders beneath it.
+class FakeHost {
+ public:
+  FakeHost() {
+    root_ = fs::temp_directory_path() / ("fusebox-host-test-" + std::to_string(::getpid()) + "-" +
+                                         std::to_string(std::random_device{}()));
+    fs::create_directories(root_);
+  }
+  ~FakeHost() {
+    std::error_code ec;
+    fs::remove_all(root_, ec);
+  }
+  void write(const std::string& path, const std::string& text) const {
+    fs::create_directories((root_ / path.substr(1)).parent_path());
+    std::ofstream(root_ / path.substr(1)) << text;
+  }
+  CgroupSources sources(const std::string& mountinfo, const std::string& cgroup) const {
+    write("/proc/self/mountinfo", mountinfo);
+    write("/proc/self/cgroup", cgroup);
+    CgroupSources s;
+    s.mountinfo = (root_ / "proc/self/mountinfo").string();
+    s.cgroup = (root_ / "proc/self/cgroup").string();
+    s.root = root_.string();
+    return s;
+  }
+  std::string path(const std::string& p) const { return root_.string() + p; }
+
+ private:
+  fs::path root_;
+};
+
+const char* kV2Mounts =
+    "22 1 0:21 / / rw,relatime - ext4 /dev/vda rw\n"
+    "30 22 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 "
+    "rw,nsdelegate,memory_recursiveprot\n";
+
+}  // namespace
+
+TEST(HostResources, CgroupV2TakesTheLowestLimitOfTheCgroupAndItsAncestors) {
+  FakeHost h;
+  const CgroupSources s = h.sources(kV2Mounts, "0::/user.slice/job.scope\n");
+  // No limit on the job itself, 3 GiB on its parent; the root has no memory.max at all.
+  h.write("/sys/fs/cgroup/user.slice/job.scope/memory.max", "max\n");
+  h.write("/sys/fs/cgroup/user.slice/memory.max", "3221225472\n");
+  h.write("/sys/fs/cgroup/user.slice/job.scope/cpu.max", "150000 100000\n");
+  h.write("/sys/fs/cgroup/user.slice/cpu.max", "max 100000\n");
+  const auto m = fusebox::host::cgroup_memory_limit(s);
+  EXPECT_EQ(m.bytes, int64_t{3} << 30);
+  EXPECT_EQ(m.cgroup_file, h.path("/sys/fs/cgroup/user.slice/memory.max"));
+  EXPECT_DOUBLE_EQ(fusebox::host::cgroup_cpu_quota(s), 1.5);
+
+  // A lower limit further in wins.
+  h.write("/sys/fs/cgroup/user.slice/job.scope/memory.max", "1073741824\n");
+  h.write("/sys/fs/cgroup/user.slice/cpu.max", "50000 100000\n");
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, int64_t{1} << 30);
+  EXPECT_DOUBLE_EQ(fusebox::host::cgroup_cpu_quota(s), 0.5);
+}
+
+TEST(HostResources, NoLimitAnywhereIsNoLimit) {
+  FakeHost h;
+  const CgroupSources s = h.sources(kV2Mounts, "0::/\n");
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, 0);  // the root has no files
+  h.write("/sys/fs/cgroup/memory.max", "max\n");
+  h.write("/sys/fs/cgroup/cpu.max", "max 100000\n");
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, 0);
+  EXPECT_EQ(fusebox::host::cgroup_cpu_quota(s), 0);
+  // Garbage and missing sources are no limit either, never an error.
+  h.write("/sys/fs/cgroup/memory.max", "lots\n");
+  h.write("/sys/fs/cgroup/cpu.max", "100000\n");
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, 0);
+  EXPECT_EQ(fusebox::host::cgroup_cpu_quota(s), 0);
+  CgroupSources missing;
+  missing.mountinfo = h.path("/nothing"), missing.cgroup = h.path("/nothing");
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(missing).bytes, 0);
+  EXPECT_EQ(fusebox::host::cgroup_cpu_quota(missing), 0);
+}
+
+// A container without its own cgroup namespace: the hierarchy's /docker/abc is mounted as the
+// container's /sys/fs/cgroup/memory, so the process's path /docker/abc is that mount's top.
+TEST(HostResources, CgroupV1ControllersAndAMountOfASubtree) {
+  FakeHost h;
+  const CgroupSources s = h.sources(
+      "22 1 0:21 / / rw - ext4 /dev/vda rw\n"
+      "30 22 0:27 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+      "31 30 0:28 /docker/abc /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup "
+      "rw,cpu,cpuacct\n"
+      "34 30 0:31 /docker/abc /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n"
+      "40 30 0:37 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n",
+      "12:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/docker/abc\n");
+  // v1's "no limit" is the largest page-aligned long; a quota of -1 is none.
+  h.write("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  h.write("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "-1\n");
+  h.write("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us", "100000\n");
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, 0);
+  EXPECT_EQ(fusebox::host::cgroup_cpu_quota(s), 0);
+
+  h.write("/sys/fs/cgroup/memory/memory.limit_in_bytes", "536870912\n");
+  h.write("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "200000\n");
+  const auto m = fusebox::host::cgroup_memory_limit(s);
+  EXPECT_EQ(m.bytes, int64_t{512} << 20);
+  EXPECT_EQ(m.cgroup_file, h.path("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
+  EXPECT_DOUBLE_EQ(fusebox::host::cgroup_cpu_quota(s), 2.0);
+}
+
+// Both versions side by side (memory on v1, the unified tree without it), and a mount point
+// with a space in it, written as \040 in the mount table.
+TEST(HostResources, HybridTreesAndEscapedMountPoints) {
+  FakeHost h;
+  const CgroupSources s = h.sources(
+      "34 30 0:31 / /cg\\040v1/memory rw - cgroup cgroup rw,memory\n"
+      "40 30 0:37 / /cg\\040v2 rw - cgroup2 cgroup2 rw\n",
+      "4:memory:/batch/7\n0::/batch/7\n");
+  h.write("/cg v1/memory/batch/7/memory.limit_in_bytes", "2147483648\n");
+  h.write("/cg v1/memory/batch/memory.limit_in_bytes", "4294967296\n");
+  h.write("/cg v2/batch/7/cgroup.procs", "");  // the unified tree has no memory files
+  const auto m = fusebox::host::cgroup_memory_limit(s);
+  EXPECT_EQ(m.bytes, int64_t{2} << 30);
+  EXPECT_EQ(m.cgroup_file, h.path("/cg v1/memory/batch/7/memory.limit_in_bytes"));
+  // v2's limit, where it is set too, counts as much as v1's.
+  h.write("/cg v2/batch/memory.max", "1073741824\n");
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, int64_t{1} << 30);
+}
+
+// A path that leaves the mount (a process in a cgroup the mount does not show) reads only the
+// mount point, never a folder outside it.
+TEST(HostResources, ACgroupOutsideTheMountReadsTheMountPointOnly) {
+  FakeHost h;
+  const CgroupSources s =
+      h.sources("30 22 0:26 /ns /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", "0::/other/../x\n");
+  h.write("/sys/fs/cgroup/memory.max", "1073741824\n");
+  h.write("/sys/fs/memory.max", "1024\n");
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, int64_t{1} << 30);
+}
+
+TEST(HostResources, UsableMemoryIsAtMostThePhysicalMemory) {
+  const auto m = fusebox::host::usable_memory();
+  const int64_t physical =
+      static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+  EXPECT_GT(m.bytes, 0);
+  EXPECT_LE(m.bytes, physical);
+  EXPECT_EQ(m.cgroup_file.empty(), m.bytes == physical);
+}
+
+// The affinity mask is read per thread: a thread allowed on one core may use one core.
+TEST(HostResources, UsableCoresFollowTheAffinityMask) {
+  const int all = fusebox::host::usable_cores();
+  EXPECT_GE(all, 1);
+  EXPECT_LE(all, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  int pinned = 0;
+  std::thread t([&] {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    cpu_set_t mine;
+    ASSERT_EQ(::sched_getaffinity(0, sizeof mine, &mine), 0);
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &mine)) {
+        CPU_SET(c, &one);
+        break;
+      }
+    ASSERT_EQ(::sched_setaffinity(0, sizeof one, &one), 0);
+    pinned = fusebox::host::usable_cores();
+  });
+  t.join();
+  EXPECT_EQ(pinned, 1);
+}
