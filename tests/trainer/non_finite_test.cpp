@@ -126,3 +126,37 @@ TEST(TrainerNonFinite, ARunThatOnlySkipsIsStopped) {
   EXPECT_NE(r.err.find("--on-non-finite: skip is possible only in normal mode"), std::string::npos)
       << r.err;
 }
+
+// On a terminal the progress bar is redrawn in place; a warning printed mid-run (to the same
+// terminal) starts on a line of its own instead of being appended to the bar, and the bar goes
+// on below it. Both sources: the trainer's skipped-step warning and a step mode's (a parameter
+// without a gradient in the fused mode).
+TEST(TrainerNonFinite, WarningsDuringTrainingStartOnTheirOwnLineBelowTheProgressBar) {
+  TempDir tmp;
+  torch::jit::Module m("Net");
+  m.register_parameter("w", torch::ones({8, 1}), false);
+  m.register_parameter("unused", torch::ones({2}), false);
+  m.define(R"(
+def forward(self, x):
+    return ((x.matmul(self.w) - x.sum(1, keepdim=True)) ** 2).mean()
+)");
+  const std::string unused_model = tmp.file("unused.pt");
+  m.save(unused_model);
+  const std::vector<std::vector<std::string>> runs = {
+      {"--model-script", nan_every_third_step_model(tmp), "--on-non-finite", "skip"},
+      {"--model-script", unused_model, "--fused-backward-pass"}};
+  for (std::vector<std::string> args : runs) {
+    for (const char* a : {"--model-width", "8", "--threads", "1", "--optimizer", "sgd",
+                          "--learning-rate", "0.01", "--max-train-steps", "6", "--output-dir", ""})
+      args.push_back(a);
+    std::ostringstream screen;  // stdout and stderr on one terminal
+    ASSERT_EQ(fusebox::trainer::trainer_main(args, screen, screen, true), 0) << screen.str();
+    const std::string s = screen.str();
+    size_t warnings = 0;
+    for (size_t p = s.find("trainer: warning:"); p != std::string::npos;
+         p = s.find("trainer: warning:", p + 1), ++warnings)
+      EXPECT_TRUE(p == 0 || s[p - 1] == '\n') << "a warning on the bar's line:\n" << s;
+    EXPECT_GE(warnings, 1u) << s;
+    EXPECT_NE(s.find("] 6/6  loss "), std::string::npos) << s;  // the bar went on to the end
+  }
+}

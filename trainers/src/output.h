@@ -121,7 +121,8 @@ class Progress {
   Progress(std::ostream& out, bool terminal, int64_t total_steps, int64_t log_every,
            std::string label, int64_t first_step = 0);
   void update(const StepMetrics& m, double elapsed_seconds);
-  /// Ends the bar's line (terminal only).
+  /// Ends the bar's line (terminal only), at the end of a run or before a warning is printed
+  /// mid-run; the next update() draws the bar anew on the next line.
   void finish();
 
  private:

@@ -352,8 +352,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   so.non_finite = c.on_non_finite == "skip" ? NonFinitePolicy::Skip : NonFinitePolicy::Stop;
   // One write per line: the ranks of a data-parallel job share stderr. The step modes' warnings
   // (a parameter without a gradient on any rank) are the same on every rank: rank 0 says them.
-  so.warn = [&con, leader = dist.leader()](const std::string& m) {
-    if (leader) con.err << ("trainer: warning: " + m + "\n") << std::flush;
+  // A warning during training first ends the progress bar's line, or it would be appended to the
+  // bar on a terminal (the bar is drawn once `progress` exists, below).
+  std::function<void()> end_bar_line = [] {};
+  so.warn = [&con, &end_bar_line, leader = dist.leader()](const std::string& m) {
+    if (!leader) return;
+    end_bar_line();
+    con.err << ("trainer: warning: " + m + "\n") << std::flush;
   };
   so.comm = dist.comm;
   so.bucket_bytes = static_cast<int64_t>(c.dist_bucket_mb * 1024 * 1024);
@@ -471,6 +476,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                    &files.last_record()};  // the newest metrics record
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]", first_step);
+  end_bar_line = [&progress] { progress.finish(); };
   const bool autocast = autocast_enabled(c);
   const at::ScalarType autocast_dtype = c.mixed_precision == "fp16" ? at::kHalf : at::kBFloat16;
 
@@ -532,10 +538,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       if (bad_loss) {
         for (const auto& opt : mode->optimizers()) opt->zero_grad(true);
         stats.skipped = true;
-        if (dist.leader())  // the loss is the ranks' mean: every rank skips this step alike
+        if (dist.leader()) {  // the loss is the ranks' mean: every rank skips this step alike
+          progress.finish();
           con.err << ("trainer: warning: non-finite loss at step " + std::to_string(step) +
                       ": this step's update was skipped\n")
                   << std::flush;
+        }
       } else {
         stats = mode->step();
       }
