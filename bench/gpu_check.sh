@@ -21,7 +21,8 @@
 # Environment: FUSEBOX_GPU_BUDGET_S (default 480), FUSEBOX_GPU_BUILD (default build-gpu),
 # TORCH_CUDA_ARCH_LIST (the kernels' architectures: a CUDA LibTorch ignores CMAKE_CUDA_ARCHITECTURES;
 # default: the GPU's compute capability), FUSEBOX_GPU_DEPS (default .gpu-deps),
-# FUSEBOX_GPU_BUILD_S (the build's time limit, default 300).
+# FUSEBOX_GPU_BUILD_S (the build's time limit, default 300), FUSEBOX_GPU_DISTRIBUTED (the build's
+# FUSEBOX_DISTRIBUTED, default OFF).
 set -uo pipefail
 
 OUT_DIR=${1:-${OUT:-}}
@@ -153,9 +154,11 @@ if compgen -G "$DEPS/*.deb" >/dev/null; then
   PREFIX="$DEPS_PREFIX;$PREFIX"
 fi
 export CUDACXX=$NVCC
+# Data parallel is off by default here: this check runs on one GPU and no part of it uses c10d,
+# so the communicator's build (c10d's and gloo's headers) cannot cost the GPU parts.
 part "configure" 120 cmake -S . -B "$BUILD" -G "$GENERATOR" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$PREFIX" -DFUSEBOX_CUDA=ON -DTORCH_CUDA_ARCH_LIST="$ARCH_LIST" \
-  -DFUSEBOX_BUILD_BENCH=ON ||
+  -DFUSEBOX_DISTRIBUTED="${FUSEBOX_GPU_DISTRIBUTED:-OFF}" -DFUSEBOX_BUILD_BENCH=ON ||
   fail "configure (see gpu_check.log; FUSEBOX_CUDA=ON stops there when LibTorch has no CUDA)"
 part "build" "${FUSEBOX_GPU_BUILD_S:-300}" cmake --build "$BUILD" -j "$(nproc)" \
   --target plugin_tests core_tests trainer memory_bench ||
