@@ -107,13 +107,14 @@ std::string bytes_text(double bytes) {
   return memory::format_bytes(static_cast<int64_t>(std::min(bytes, kMax)));
 }
 
-// "12 GiB of memory this machine has", or "4 GiB of memory this process may use (the cgroup
-// limit in /sys/fs/cgroup/.../memory.max)".
-std::string memory_text(const host::MemoryLimit& m) {
-  const std::string bytes = bytes_text(static_cast<double>(m.bytes));
-  return m.cgroup_file.empty() ? bytes + " of memory this machine has"
-                               : bytes + " of memory this process may use (the cgroup limit in " +
-                                     m.cgroup_file + ")";
+// Who has the memory `m` counts: "this machine has", or "this process may use" under a cgroup.
+std::string memory_owner(const host::MemoryLimit& m) {
+  return m.cgroup_file.empty() ? "this machine has" : "this process may use";
+}
+
+// " (the cgroup limit in /sys/fs/cgroup/.../memory.max)" when a cgroup sets `m`, else "".
+std::string memory_source(const host::MemoryLimit& m) {
+  return m.cgroup_file.empty() ? "" : " (the cgroup limit in " + m.cgroup_file + ")";
 }
 
 // "--a", "--a or --b", "--a, --b or --c".
@@ -136,8 +137,8 @@ std::vector<std::string> parameter_options(const TrainConfig& c) {
 
 // The built-in model's parameters must fit in the memory this process may use (the machine's, or
 // a lower cgroup limit), or building it would fill the memory layer by layer until the kernel
-// kills the process. Only the parameters are counted
-// (gradients, optimizer state and activations come on top), so what is refused cannot train.
+// kills the process. Only the parameters are counted (gradients, optimizer state and activations
+// come on top), so what is refused cannot train.
 void check_model_fits(const TrainConfig& c, int local_ranks) {
   if (c.model_script) return;
   const host::MemoryLimit memory = host::usable_memory();
@@ -156,12 +157,13 @@ void check_model_fits(const TrainConfig& c, int local_ranks) {
             bytes_text(all) + " in all)";
     lower.push_back("--nproc-per-node");
   }
-  throw Error("cannot build the " + c.model + " model: its " + n + " parameters need " +
-              bytes_text(bytes) +
-              (c.full_bf16    ? " as it is built in float32 (before its conversion to bf16)"
-               : element == 8 ? " in float64"
-                              : " in float32") +
-              ranks + ", more than the " + memory_text(memory) + "; lower " + either(lower));
+  throw Error(
+      "cannot build the " + c.model + " model: its " + n + " parameters need " + bytes_text(bytes) +
+      (c.full_bf16    ? " as it is built in float32 (before its conversion to bf16)"
+       : element == 8 ? " in float64"
+                      : " in float32") +
+      ranks + ", more than the " + bytes_text(static_cast<double>(memory.bytes)) + " of memory " +
+      memory_owner(memory) + memory_source(memory) + "; lower " + either(lower));
 }
 
 // When `what` is LibTorch's out-of-memory error (the CPU allocator's "can't allocate memory",
@@ -174,10 +176,8 @@ std::string out_of_memory_text(const std::string& what, const TrainConfig& c) {
                         std::regex("can't allocate memory: you tried to allocate (\\d+)"))) {
     asked = bytes_text(std::stod(m[1].str()));
     if (const host::MemoryLimit memory = host::usable_memory(); memory.bytes > 0)
-      where = memory.cgroup_file.empty()
-                  ? ", and this machine has " + bytes_text(static_cast<double>(memory.bytes))
-                  : ", and this process may use " + bytes_text(static_cast<double>(memory.bytes)) +
-                        " (the cgroup limit in " + memory.cgroup_file + ")";
+      where = ", and " + memory_owner(memory) + " " +
+              bytes_text(static_cast<double>(memory.bytes)) + memory_source(memory);
   } else if (std::regex_search(
                  what, m, std::regex("out of memory\\. Tried to allocate ([0-9.]+ [KMGTP]?i?B)"))) {
     asked = m[1].str();
