@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <string>
 
 #include "fusebox/core/memory_tracker.h"
 
@@ -22,9 +23,15 @@ Breakdown account(const StepMode& mode, int64_t measured_peak) {
       }
     b.weights += group_bytes;
     largest_group = std::max(largest_group, group_bytes);
-    for (const auto& [key, t] : opt->state_dict())
-      if (key.rfind("@optimizer/", 0) != 0)
+    // Only the state tensors: a parameter's step counter (<param>/step) and the optimizer's
+    // scalars (@optimizer/...) are host numbers, made into tensors only for the dict.
+    static const std::string kStep = "/step";
+    for (const auto& [key, t] : opt->state_dict()) {
+      const bool counter = key.size() >= kStep.size() &&
+                           key.compare(key.size() - kStep.size(), kStep.size(), kStep) == 0;
+      if (key.rfind("@optimizer/", 0) != 0 && !counter)
         b.state += t.numel() * static_cast<int64_t>(t.element_size());
+    }
   }
   b.all_grads = b.weights;  // gradients have their parameters' shapes and dtypes
   const std::string name = mode.name();

@@ -50,7 +50,7 @@ TEST(MemoryAccounting, GradientBoundFollowsTheMode) {
   fused->step();
   auto b = memory::account(*fused, 1 << 20);
   EXPECT_EQ(b.weights, weights);
-  EXPECT_EQ(b.state, 2 * weights + 8 * static_cast<int64_t>(model.params.size()));  // m, v, step
+  EXPECT_EQ(b.state, 2 * weights);  // m and v; the step counters are host numbers, not state
   EXPECT_EQ(b.grads_alive, largest);
   EXPECT_EQ(b.activations_and_scratch(), (1 << 20) - b.floor());
   auto normal = make_normal_step(plugin->create(model.groups(), hp));
@@ -66,4 +66,11 @@ TEST(MemoryAccounting, GradientBoundFollowsTheMode) {
   }
   EXPECT_EQ(memory::account(*groups, 0).grads_alive, largest_group);
   EXPECT_NE(memory::describe(b, "fused").find("(fused bound)"), std::string::npos);
+
+  // Plain SGD keeps no state at all.
+  auto sgd = reg.load_file("sgd.so");
+  auto plain = make_normal_step(sgd->create(model.groups(), sgd->validate({})));
+  plain->backward(model.loss(0));
+  plain->step();
+  EXPECT_EQ(memory::account(*plain, 0).state, 0);
 }

@@ -49,6 +49,11 @@ TEST(TrainerNonFinite, SkippedStepsAreCountedAndTheRunGoesOn) {
       << r.err;
   EXPECT_NE(r.out.find("4 steps skipped (non-finite)"), std::string::npos) << r.out;
   EXPECT_NE(read_text(tmp.file("a/summary.json")).find("\"skipped_steps\":4"), std::string::npos);
+  // A skipped step's NaN loss: null in JSON (which has no NaN), the number itself in the CSV.
+  EXPECT_NE(read_text(tmp.file("a/metrics.jsonl")).find("{\"step\":3,\"loss\":null,"),
+            std::string::npos);
+  EXPECT_NE(read_text(tmp.file("a/metrics.csv")).find("\n3,nan,"), std::string::npos)
+      << read_text(tmp.file("a/metrics.csv"));
 
   // A skipped step does not use up the schedule: with a linear decay the step after a skip
   // trains at the skipped step's lr.

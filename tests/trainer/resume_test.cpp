@@ -336,3 +336,32 @@ TEST(TrainerResume, MetricsOfAnotherRunAreNotTakenAsTheHistory) {
   EXPECT_EQ(count_lines(text), 2) << text;
   EXPECT_EQ(text.rfind("{\"step\":7,", 0), 0u) << text;
 }
+
+// The checkpoint a run resumes from is a second copy of the weights and the optimizer state: it
+// is released once restored, so the resumed steps peak as the uninterrupted run's do.
+TEST(TrainerResume, TheCheckpointIsReleasedOnceRestored) {
+  TempDir tmp;
+  const std::string args =
+      "--model mlp --model-width 256 --optimizer adamw --threads 1 --log-every 0 --output-dir ";
+  ASSERT_EQ(run_program(args + tmp.file("straight") + " --max-train-steps 4", tmp.str()).code, 0);
+  ASSERT_EQ(run_program(args + tmp.file("split") + " --max-train-steps 2", tmp.str()).code, 0);
+  const auto r =
+      run_program(args + tmp.file("split") + " --max-train-steps 4 --resume latest", tmp.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  // peak_bytes of each step's metrics.jsonl record.
+  const auto peaks = [](const std::string& jsonl) {
+    std::vector<std::string> out;
+    std::istringstream in(read_text(jsonl));
+    for (std::string line; std::getline(in, line);) {
+      const size_t p = line.find("\"peak_bytes\":");
+      if (p != std::string::npos) out.push_back(line.substr(p, line.find(',', p) - p));
+    }
+    return out;
+  };
+  const auto straight = peaks(tmp.file("straight/metrics.jsonl"));
+  const auto split = peaks(tmp.file("split/metrics.jsonl"));
+  ASSERT_EQ(straight.size(), 4u);
+  ASSERT_EQ(split.size(), 4u);
+  for (size_t step = 2; step < 4; ++step)
+    EXPECT_EQ(split[step], straight[step]) << "step " << step + 1;
+}

@@ -259,7 +259,7 @@ void MetricsFiles::add(const StepMetrics& m) {
   last_record_ = j.str();
   jsonl_ += last_record_ + "\n";
   std::ostringstream c;
-  c << m.step << "," << json_number(m.loss);
+  c << m.step << "," << format_real(m.loss);
   for (double v : m.lrs) c << "," << format_real(v);
   for (double v : m.effective_lrs) c << "," << format_real(v);
   c << "," << (m.grad_norm < 0 ? "" : format_real(m.grad_norm)) << ","

@@ -312,7 +312,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   // Parameters are restored before the step mode exists, so its hooks see the resumed tensors.
   std::string resumed_from;
-  const std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin, &resumed_from);
+  // Released once restored (below): its tensors are a second copy of the weights and state.
+  std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin, &resumed_from);
   if (resumed && dist.leader())
     if (const std::string changed = settings_changed_since(*resumed, c); !changed.empty())
       con.err << ("trainer: warning: --resume: settings differ from the run that wrote " +
@@ -460,6 +461,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                   std::to_string(first_step + 1) + "; metrics.jsonl keeps every step\n")
               << std::flush;
   }
+  resumed.reset();  // everything is restored: training must not carry the checkpoint's copy
   MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size(), std::move(history),
                      scaled);
   const CheckpointContext ckpt_ctx{c,
