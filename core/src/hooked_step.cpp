@@ -20,6 +20,7 @@ void HookedStep::attach(const std::vector<at::Tensor>& params,
   fired_.assign(params.size(), false);
   warned_.assign(params.size(), false);
   updated_.assign(params.size(), false);
+  norms_.assign(params.size(), at::Tensor());
   sharding_ = StateSharding(options_, params);
   reducer_.plan(params, segment_of);
   for (size_t i = 0; i < params.size(); ++i)
@@ -77,7 +78,6 @@ void HookedStep::process(size_t i) {
                            "finite values)" +
                            scale_hint(options_));
     if (options_.max_grad_norm > 0) clip_by_norm_(param, n, options_.max_grad_norm);
-    host_sum_sq_ += n * n;
   } else {
     // On a GPU a scalar read stalls the stream: the check is kept on the device and read once,
     // at the end of backward (deferred_check); clipping and the sum stay on the device too.
@@ -86,9 +86,8 @@ void HookedStep::process(size_t i) {
     if (options_.check_finite) device_finite_.push_back(at::isfinite(norm));
     device_index_.push_back(i);
     if (options_.max_grad_norm > 0) clip_by_norm_(param, norm, options_.max_grad_norm);
-    add_sq(sum_sq_, norm);
   }
-  any_norm_ = true;
+  norms_[i] = norm;  // summed at the end in parameter order, as the normal mode sums them
   on_gradient(i);
 }
 
@@ -144,9 +143,7 @@ void HookedStep::abandon_iteration() {
   for (auto& p : params_) p.mutable_grad().reset();
   fired_.assign(params_.size(), false);
   updated_.assign(params_.size(), false);
-  sum_sq_ = at::Tensor();
-  host_sum_sq_ = 0;
-  any_norm_ = false;
+  norms_.assign(params_.size(), at::Tensor());
   device_finite_.clear();
   device_index_.clear();
   stepped_ = 0;
@@ -165,17 +162,14 @@ StepStats HookedStep::finish_iteration() {
                        " and was not updated (reported once)");
     }
   }
-  if (any_norm_) {
-    double total = host_sum_sq_;
-    if (sum_sq_.defined()) total += sum_sq_.item<double>();
-    stats.grad_norm = std::sqrt(total);
-  }
+  std::vector<at::Tensor> norms;
+  for (const at::Tensor& n : norms_)
+    if (n.defined()) norms.push_back(n);
+  if (!norms.empty()) stats.grad_norm = stacked_norms(norms).norm().item<double>();
   if (options_.track_grad_bytes) stats.peak_grad_bytes = peak_bytes_;
   fired_.assign(params_.size(), false);
   updated_.assign(params_.size(), false);
-  sum_sq_ = at::Tensor();
-  host_sum_sq_ = 0;
-  any_norm_ = false;
+  norms_.assign(params_.size(), at::Tensor());
   peak_bytes_ = 0;
   return stats;
 }

@@ -121,21 +121,16 @@ int64_t live_grad_bytes(const std::vector<at::Tensor>& params) {
   return total;
 }
 
-void add_sq(at::Tensor& sum_sq, const at::Tensor& norm) {
-  at::Tensor sq = norm.to(at::kDouble).square();
-  sum_sq = sum_sq.defined() ? sum_sq + sq : sq;
+at::Tensor stacked_norms(const std::vector<at::Tensor>& norms) {
+  std::vector<at::Tensor> as_double;
+  as_double.reserve(norms.size());
+  for (const auto& n : norms) as_double.push_back(n.to(at::kDouble));
+  return at::stack(as_double);
 }
 
 }  // namespace detail
 
 namespace {
-
-std::vector<at::Tensor> norms_as_double(const std::vector<at::Tensor>& norms) {
-  std::vector<at::Tensor> out;
-  out.reserve(norms.size());
-  for (const auto& n : norms) out.push_back(n.to(at::kDouble));
-  return out;
-}
 
 class NormalStep final : public StepMode {
  public:
@@ -203,7 +198,7 @@ class NormalStep final : public StepMode {
       stats.params_stepped = static_cast<int64_t>(with_grad.size());
       return stats;
     }
-    at::Tensor all = at::stack(norms_as_double(norms));
+    at::Tensor all = detail::stacked_norms(norms);
     at::Tensor total = all.norm();
     // A non-finite value always makes its norm non-finite: one sync for the common case; the
     // per-tensor look (which also clears fp16 norms that merely overflowed) only on suspicion.

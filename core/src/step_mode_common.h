@@ -61,8 +61,10 @@ void clip_by_norm_(const at::Tensor& param, const at::Tensor& norm, double max_n
 void clip_by_norm_(const at::Tensor& param, double norm, double max_norm);
 /// Bytes of all defined gradients of `params`.
 int64_t live_grad_bytes(const std::vector<at::Tensor>& params);
-/// sum_sq += norm^2 (in double, on the norm's device).
-void add_sq(at::Tensor& sum_sq, const at::Tensor& norm);
+/// The per-gradient norms (0-d, any float dtype) as one double vector, in the order given; its
+/// norm() is the global gradient norm. Every mode computes it so, over the norms in parameter
+/// order, so they report the same norm bit for bit.
+at::Tensor stacked_norms(const std::vector<at::Tensor>& norms);
 
 /// A mode that reacts to each gradient as soon as it is accumulated (fused and groups).
 ///
@@ -109,9 +111,7 @@ class HookedStep : public StepMode {
   std::vector<bool> fired_, warned_;
   std::vector<bool> updated_;  // process(i) ran in this iteration
   std::exception_ptr error_;
-  at::Tensor sum_sq_;       // device gradients: sum of squared norms, kept on the device
-  double host_sum_sq_ = 0;  // host gradients: the same sum, on the host
-  bool any_norm_ = false;
+  std::vector<at::Tensor> norms_;          // per parameter: its gradient's norm in this iteration
   std::vector<at::Tensor> device_finite_;  // device gradients: 0-d "is finite" flags
   std::vector<size_t> device_index_;       // ... and whose they are
   int64_t stepped_ = 0, peak_bytes_ = 0;
