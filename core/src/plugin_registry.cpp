@@ -5,6 +5,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
 #include <cstddef>
 #include <cstdlib>
@@ -153,6 +154,13 @@ fs::path executable_dir() {
   return ec ? fs::path() : exe.parent_path();
 }
 
+// The folder of libfusebox_core itself (this code), wherever the program using it lives.
+fs::path core_library_dir() {
+  boost::system::error_code ec;
+  const boost::dll::fs::path lib = boost::dll::this_line_location(ec);
+  return ec ? fs::path() : fs::path(lib.parent_path().string());
+}
+
 // ---------------------------------------------------------------------------------------------
 LoadedPlugin::LoadedPlugin(std::shared_ptr<void> library, const PluginDescriptor* descriptor,
                            PluginInfo info)
@@ -207,8 +215,18 @@ std::vector<fs::path> PluginRegistry::search_path() const {
     }
   }
   if (options_.use_default_dir) {
-    fs::path exe = executable_dir();
-    if (!exe.empty()) out.push_back((exe / ".." / kPluginSubdir).lexically_normal());
+    std::vector<fs::path> defaults;
+    if (fs::path exe = executable_dir(); !exe.empty())
+      defaults.push_back(exe / ".." / kPluginSubdir);
+    // Programs other than the trainer: the plugins installed (or built) with this library.
+    if (fs::path lib = core_library_dir(); !lib.empty()) {
+      defaults.push_back(lib / FUSEBOX_PLUGIN_DIR_FROM_LIBDIR);
+      defaults.push_back(lib / "fusebox" / "plugins");
+    }
+    for (const fs::path& d : defaults) {
+      const fs::path dir = d.lexically_normal();
+      if (std::find(out.begin(), out.end(), dir) == out.end()) out.push_back(dir);
+    }
   }
   return out;
 }

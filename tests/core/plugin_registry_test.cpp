@@ -258,3 +258,34 @@ TEST(PluginRegistry, APluginThrowingANonStandardValueInAHookGivesAnError) {
     EXPECT_FALSE(w.grad().defined()) << "the gradient is freed";
   }
 }
+
+// A program of the user's own, in a folder with no plugins beside it, finds the plugins built or
+// installed with libfusebox_core by name: this test runs a copy of its own executable from a
+// temporary folder (the copy still links the build tree's libfusebox_core).
+TEST(PluginRegistry, ProgramsElsewhereFindThePluginsBesideTheCoreLibrary) {
+  if (std::getenv("FUSEBOX_TEST_AS_OTHER_PROGRAM")) {
+    LoaderOptions o;
+    o.use_environment = false;
+    PluginRegistry registry(o);
+    EXPECT_EQ(registry.load_file("adamw.so")->info().name, "adamw");
+    EXPECT_EQ(registry.load_by_name("sgd")->info().name, "sgd");
+    return;
+  }
+  const fs::path dir = temp_dir("other_program");
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  ASSERT_FALSE(ec);
+  fs::create_directories(dir / "bin");
+  fs::copy_file(self, dir / "bin" / "user_program");
+  ASSERT_FALSE(fs::exists(dir / "lib"));
+  const std::string cmd = "FUSEBOX_TEST_AS_OTHER_PROGRAM=1 FUSEBOX_PLUGIN_PATH= " +
+                          (dir / "bin" / "user_program").string() +
+                          " --gtest_filter=PluginRegistry.ProgramsElsewhere* >" +
+                          (dir / "out.txt").string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  std::ifstream in(dir / "out.txt");
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  EXPECT_NE(out.find("[  PASSED  ] 1 test."), std::string::npos) << out;  // the copy ran it
+  fs::remove_all(dir);
+}

@@ -52,7 +52,9 @@ class LoadedPlugin {
 struct LoaderOptions {
   std::vector<std::filesystem::path> plugin_dirs;  ///< searched first, in order
   bool use_environment = true;                     ///< also search FUSEBOX_PLUGIN_PATH
-  bool use_default_dir = true;                     ///< also search <exe>/../lib/fusebox/plugins
+  /// Also search <exe>/../lib/fusebox/plugins (the trainer's, in the build and install trees)
+  /// and the plugin folder installed or built with libfusebox_core (any program linking it).
+  bool use_default_dir = true;
   bool allow_insecure = false;  ///< load files/folders writable by group or others
 };
 
