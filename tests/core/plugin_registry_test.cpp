@@ -218,6 +218,30 @@ TEST(PluginRegistry, OptimizerKeepsLibraryAliveAfterRegistryAndPluginAreGone) {
   EXPECT_NEAR(w[0].item<float>(), 1.0f - 1e-3f, 1e-7);
 }
 
+// Optimizer state is keyed by parameter name: two parameters of one name (given, or a given one
+// equal to a made-up "g0.p0") are refused when the optimizer is made, not merged in its state.
+TEST(PluginRegistry, TwoParametersOfOneNameAreRefused) {
+  PluginRegistry reg(only({kPlugins}));
+  auto plugin = reg.load_file("adamw.so");
+  fusebox::ParamGroup a, b;
+  a.params = {at::ones({2}).set_requires_grad(true), at::ones({3}).set_requires_grad(true)};
+  a.names = {"same", "same"};
+  EXPECT_EQ(error_of([&] { plugin->create({a}, plugin->validate({})); }),
+            "parameter name 'same' is given to two parameters (group 0 #0 and group 0 #1): "
+            "optimizer state and checkpoints are keyed by name, so each parameter needs its own");
+  a.names.clear();  // made up: g0.p0, g0.p1
+  b.params = {at::ones({4}).set_requires_grad(true)};
+  b.names = {"g0.p1"};
+  EXPECT_NE(error_of([&] {
+              plugin->create({a, b}, plugin->validate({}));
+            })
+                .find("parameter name 'g0.p1' is given to two parameters (group 0 #1 and group 1 "
+                      "#0)"),
+            std::string::npos);
+  b.names = {"fc.weight"};
+  EXPECT_EQ(plugin->create({a, b}, plugin->validate({}))->num_groups(), 2u);
+}
+
 // A plugin built with the other libstdc++ string ABI would crash in its first call (std::string
 // is laid out differently): it is refused from its ELF symbols before it is loaded.
 TEST(PluginRegistry, APluginOfTheOtherStringAbiIsRefusedBeforeItRuns) {
