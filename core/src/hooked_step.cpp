@@ -15,9 +15,17 @@ HookedStep::HookedStep(StepOptions options)
 void HookedStep::attach(const std::vector<at::Tensor>& params,
                         const std::vector<std::string>& names,
                         const std::vector<size_t>& segment_of) {
+  for (size_t i = 0; i < params.size(); ++i)  // name the tensor the hooks could not serve
+    if (!params[i].requires_grad() || !params[i].is_leaf())
+      throw Error("parameter '" + names[i] + "' cannot be stepped by the " + name() +
+                  " mode: it is " +
+                  (params[i].requires_grad() ? "not a leaf tensor (it is computed from others)"
+                                             : "frozen (requires_grad is false)") +
+                  "; leave it out of the optimizer's groups");
   params_ = params;
   names_ = names;
   fired_.assign(params.size(), false);
+  fired_in_.assign(params.size(), 0);
   warned_.assign(params.size(), false);
   updated_.assign(params.size(), false);
   norms_.assign(params.size(), at::Tensor());
@@ -29,17 +37,30 @@ void HookedStep::attach(const std::vector<at::Tensor>& params,
 
 void HookedStep::ready(size_t i) {
   const at::Tensor& param = params_[i];
+  // The hooks stay on the parameters as long as the mode exists: a backward pass run some other
+  // way (loss.backward(), another step mode over the same parameters) would step them unseen.
+  if (!in_backward_)
+    throw Error("parameter '" + names_[i] + "' received a gradient from a backward pass outside " +
+                "this " + name() + " mode's backward(): while the mode exists it steps its " +
+                "parameters from their gradients; call mode->backward(loss), or destroy the mode " +
+                "before computing these gradients another way");
   if (error_) {  // an earlier hook failed: update nothing more, free memory
     param.mutable_grad().reset();
     return;
   }
   try {
+    if (fired_[i] && fired_in_[i] != backward_calls_)
+      throw Error("parameter '" + names_[i] + "' received a gradient in a second backward() " +
+                  "without step() in between: the " + name() + " mode updates parameters " +
+                  "during backward, so gradients cannot accumulate; call step() after each " +
+                  "backward()");
     if (fired_[i])
       throw Error("parameter '" + names_[i] +
                   "' received a second gradient within one backward pass (retain_graph, double "
                   "backward or reentrant checkpointing?); fused stepping updates each parameter "
                   "once per iteration");
     fired_[i] = true;
+    fired_in_[i] = backward_calls_;
     if (options_.track_grad_bytes) peak_bytes_ = std::max(peak_bytes_, live_grad_bytes(params_));
     if (reducer_.active()) {
       // Also without a gradient: the parameter's bucket is complete without it (zeros).
@@ -118,6 +139,12 @@ void HookedStep::deferred_check() {
 
 void HookedStep::backward(const at::Tensor& loss) {
   error_ = nullptr;
+  ++backward_calls_;
+  struct InBackward {  // the hooks act only inside this call, also when it throws
+    bool& flag;
+    explicit InBackward(bool& f) : flag(f) { flag = true; }
+    ~InBackward() { flag = false; }
+  } in_backward(in_backward_);
   try {
     scaled_loss(loss, options_).backward();
   } catch (...) {

@@ -109,6 +109,9 @@ class HookedStep : public StepMode {
   void ready(size_t i);
   std::vector<std::unique_ptr<compat::GradReadyHook>> hooks_;
   std::vector<bool> fired_, warned_;
+  std::vector<int64_t> fired_in_;  // the backward() call in which each parameter's hook fired
+  int64_t backward_calls_ = 0;
+  bool in_backward_ = false;   // inside backward(): the only time the hooks may step
   std::vector<bool> updated_;  // process(i) ran in this iteration
   std::exception_ptr error_;
   std::vector<at::Tensor> norms_;          // per parameter: its gradient's norm in this iteration

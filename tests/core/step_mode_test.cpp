@@ -224,23 +224,6 @@ TEST(StepModes, UnusedParameterIsWarnedOnceAndNotStepped) {
   }
 }
 
-TEST(StepModes, SecondGradientWithinOneBackwardIsAnError) {
-  auto plugin = registry().load_file("sgd.so");
-  at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
-  ParamGroup g;
-  g.params = {w};
-  g.names = {"w"};
-  auto mode = make_fused_backward(plugin->create({g}, plugin->validate({})));
-  at::Tensor loss = (w * 2).sum();
-  mode->backward(loss.clone());
-  try {
-    loss.backward({}, /*retain_graph=*/true);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'w' received a second gradient"), std::string::npos);
-  }
-}
-
 TEST(StepModes, PluginExceptionInsideHookReachesCallerWithItsOwnMessage) {
   auto plugin =
       registry().load_file((std::string(FUSEBOX_TEST_PLUGIN_DIR) + "/tp_step_param_throws.so"));
@@ -264,6 +247,82 @@ std::unique_ptr<StepMode> make_mode(const std::string& mode_name, const LoadedPl
   return make_optimizer_groups(
       {g}, 2, SplitPolicy::Count, [&](std::vector<ParamGroup> x) { return plugin.create(x, hp); },
       o);
+}
+
+// A parameter hooked by a fused or grouped mode is stepped once per backward() of that mode, and
+// only there: a second backward() before step() (gradient accumulation, which these modes cannot
+// do) and a backward pass run past the mode (loss.backward(), another step mode over the same
+// parameters, which the hooks used to step unseen) are errors naming the parameter and the fix.
+TEST(StepModes, GradientsOutsideTheModesBackwardOrTwiceBeforeStepAreErrors) {
+  auto plugin = registry().load_file("sgd.so");
+  for (const char* mode_name : {"fused", "groups"}) {
+    SCOPED_TRACE(mode_name);
+    at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
+    ParamGroup g;
+    g.params = {w};
+    g.names = {"w"};
+    auto mode = make_mode(mode_name, *plugin, g);
+    mode->backward((w * 2).sum());
+    std::string m;
+    try {
+      mode->backward((w * 3).sum());
+    } catch (const Error& e) {
+      m = e.what();
+    }
+    EXPECT_NE(m.find("parameter 'w' received a gradient in a second backward() without step() in "
+                     "between"),
+              std::string::npos)
+        << m;
+    mode->step();
+    const at::Tensor before = w.detach().clone();
+    m.clear();
+    try {
+      (w * 2).sum().backward();  // past the mode
+    } catch (const Error& e) {
+      m = e.what();
+    }
+    EXPECT_NE(m.find("parameter 'w' received a gradient from a backward pass outside this " +
+                     std::string(mode_name) + " mode's backward()"),
+              std::string::npos)
+        << m;
+    EXPECT_TRUE(at::equal(w.detach(), before)) << "not stepped";
+    // Another mode over the same parameters while this one exists: refused, nothing stepped.
+    auto normal = make_mode("normal", *plugin, g);
+    w.mutable_grad().reset();
+    EXPECT_THROW(normal->backward((w * 2).sum()), Error);
+    EXPECT_TRUE(at::equal(w.detach(), before));
+    // Its own backward() still works, and once it is gone the other mode trains.
+    w.mutable_grad().reset();
+    mode->backward((w * 2).sum());
+    EXPECT_EQ(mode->step().params_stepped, 1);
+    mode.reset();
+    normal->backward((w * 2).sum());
+    EXPECT_EQ(normal->step().params_stepped, 1);
+  }
+}
+
+// The hooked modes need leaf tensors that require gradients; the one that is not is named.
+TEST(StepModes, AFrozenOrComputedParameterIsNamedByTheHookedModes) {
+  auto plugin = registry().load_file("sgd.so");
+  const at::Tensor leaf = at::ones({3}, at::kDouble).requires_grad_(true);
+  for (const char* mode_name : {"fused", "groups"}) {
+    for (const bool frozen : {true, false}) {
+      ParamGroup g;
+      g.params = {leaf, frozen ? at::ones({2}, at::kDouble) : leaf * 2};
+      g.names = {"ok", "bad"};
+      std::string m;
+      try {
+        make_mode(mode_name, *plugin, g);
+      } catch (const Error& e) {
+        m = e.what();
+      }
+      EXPECT_EQ(m, "parameter 'bad' cannot be stepped by the " + std::string(mode_name) +
+                       " mode: it is " +
+                       (frozen ? "frozen (requires_grad is false)"
+                               : "not a leaf tensor (it is computed from others)") +
+                       "; leave it out of the optimizer's groups");
+    }
+  }
 }
 
 TEST(StepModes, NonFiniteGradientStopsBeforeTheParameterIsUpdated) {
