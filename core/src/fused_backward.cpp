@@ -49,6 +49,7 @@ class FusedBackward final : public detail::HookedStep {
 std::unique_ptr<StepMode> make_fused_backward(std::shared_ptr<Optimizer> optimizer,
                                               StepOptions options) {
   if (!optimizer) throw Error("make_fused_backward: no optimizer");
+  detail::check_capabilities(*optimizer, "fused", options);
   if (options.non_finite == NonFinitePolicy::Skip)
     throw Error(
         "the fused backward pass cannot skip a step on non-finite gradients: parameters "

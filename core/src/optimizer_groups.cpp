@@ -118,6 +118,7 @@ class OptimizerGroups final : public detail::HookedStep {
     for (size_t k = 0; k < splits.size(); ++k) {
       optimizers_.push_back(make(splits[k]));
       if (!optimizers_.back()) throw Error("optimizer groups: the factory returned no optimizer");
+      detail::check_capabilities(*optimizers_.back(), "groups", options_);
       size_t size = 0;
       for (const ParamGroup& g : splits[k])
         for (size_t i = 0; i < g.params.size(); ++i, ++size) {

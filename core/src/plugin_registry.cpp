@@ -13,8 +13,11 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 
 #include "fusebox/core/messages.h"
 #include "fusebox/core/suggest.h"
@@ -149,6 +152,37 @@ std::string PluginInfo::capability_names() const {
   return out.empty() ? "none" : out;
 }
 
+namespace {
+
+// Which plugin made each live optimizer (LoadedPlugin::create adds, the deleter removes).
+class MadeBy {
+ public:
+  void add(const Optimizer* o, const PluginInfo& info) {
+    std::lock_guard<std::mutex> lock(mu_);
+    makers_[o] = info;
+  }
+  void remove(const Optimizer* o) {
+    std::lock_guard<std::mutex> lock(mu_);
+    makers_.erase(o);
+  }
+  std::optional<PluginInfo> find(const Optimizer* o) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = makers_.find(o);
+    return it == makers_.end() ? std::nullopt : std::optional<PluginInfo>(it->second);
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<const Optimizer*, PluginInfo> makers_;
+};
+
+MadeBy& made_by() {
+  static MadeBy* m = new MadeBy();  // never destroyed: optimizers may outlive static destruction
+  return *m;
+}
+
+}  // namespace
+
 fs::path executable_dir() {
   std::error_code ec;
   fs::path exe = fs::read_symlink("/proc/self/exe", ec);
@@ -212,7 +246,15 @@ std::shared_ptr<Optimizer> LoadedPlugin::create(std::vector<ParamGroup> groups,
     }
   // The deleter holds the library: the object's code stays mapped until it is destroyed.
   std::shared_ptr<void> lib = library_;
-  return std::shared_ptr<Optimizer>(made.release(), [lib](Optimizer* p) { delete p; });
+  made_by().add(made.get(), info_);
+  return std::shared_ptr<Optimizer>(made.release(), [lib](Optimizer* p) {
+    made_by().remove(p);
+    delete p;
+  });
+}
+
+std::optional<PluginInfo> plugin_of(const Optimizer& optimizer) {
+  return made_by().find(&optimizer);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
 
 #include "fusebox/core/loss_scaler.h"
 
+#include "fusebox/core/plugin_registry.h"
 #include "step_mode_common.h"
 
 namespace fusebox {
@@ -119,6 +120,25 @@ int64_t live_grad_bytes(const std::vector<at::Tensor>& params) {
   for (const auto& p : params)
     if (p.grad().defined()) total += p.grad().numel() * p.grad().element_size();
   return total;
+}
+
+void check_capabilities(const Optimizer& optimizer, const std::string& mode,
+                        const StepOptions& options) {
+  const std::optional<PluginInfo> plugin = plugin_of(optimizer);
+  if (!plugin) return;
+  const std::string who = "plugin '" + plugin->name + "' (" + plugin->path.string() + ")";
+  if (mode == "fused" && !(plugin->capabilities & kSupportsStepParam))
+    throw Error(who +
+                " cannot step in the fused backward pass: it does not declare "
+                "supports_step_param (use the normal mode or optimizer groups)");
+  const char* needs_one_step_size = nullptr;
+  if (mode == "groups") needs_one_step_size = "optimizer groups";
+  if (options.shard_optimizer_state && options.comm)
+    needs_one_step_size = "sharded optimizer state";
+  if (needs_one_step_size && (plugin->capabilities & kAutoLr))
+    throw Error(std::string(needs_one_step_size) + " cannot be used with " + who +
+                ": auto-LR optimizers (such as D-Adaptation and Prodigy) estimate one step size "
+                "from all parameters");
 }
 
 at::Tensor stacked_norms(const std::vector<at::Tensor>& norms) {
@@ -293,6 +313,7 @@ class NormalStep final : public StepMode {
 std::unique_ptr<StepMode> make_normal_step(std::shared_ptr<Optimizer> optimizer,
                                            StepOptions options) {
   if (!optimizer) throw Error("make_normal_step: no optimizer");
+  detail::check_capabilities(*optimizer, "normal", options);
   return std::make_unique<NormalStep>(std::move(optimizer), std::move(options));
 }
 

@@ -66,6 +66,12 @@ int64_t live_grad_bytes(const std::vector<at::Tensor>& params);
 /// order, so they report the same norm bit for bit.
 at::Tensor stacked_norms(const std::vector<at::Tensor>& norms);
 
+/// Refuses an optimizer made by a plugin whose capabilities do not allow `mode` ("normal",
+/// "fused" or "groups") with these options: fused stepping needs supports_step_param; groups and
+/// sharded state need one step size per parameter (no auto_lr). Optimizers made otherwise pass.
+void check_capabilities(const Optimizer& optimizer, const std::string& mode,
+                        const StepOptions& options);
+
 /// A mode that reacts to each gradient as soon as it is accumulated (fused and groups).
 ///
 /// Single process: hook(i) -> process(i): checks, clipping, on_gradient(i).

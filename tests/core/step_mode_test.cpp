@@ -301,6 +301,41 @@ TEST(StepModes, GradientsOutsideTheModesBackwardOrTwiceBeforeStepAreErrors) {
   }
 }
 
+// The modes check the capabilities of the plugin that made the optimizer, for programs of their
+// own too (the trainer refuses these before it builds anything): an auto-LR plugin in optimizer
+// groups would silently train differently from the normal mode, and fused stepping needs
+// supports_step_param.
+TEST(StepModes, APluginsCapabilitiesAreCheckedByTheModes) {
+  TinyLm model;
+  for (const char* file : {"dadaptation.so", "prodigy.so"}) {
+    auto plugin = registry().load_file(file);
+    const HyperParams hp = plugin->validate({});
+    const std::string who =
+        "plugin '" + plugin->info().name + "' (" + plugin->info().path.string() + ")";
+    std::string m;
+    try {
+      make_optimizer_groups(model.groups(), 2, SplitPolicy::Size,
+                            [&](std::vector<ParamGroup> g) { return plugin->create(g, hp); });
+    } catch (const Error& e) {
+      m = e.what();
+    }
+    EXPECT_EQ(m, "optimizer groups cannot be used with " + who +
+                     ": auto-LR optimizers (such as D-Adaptation and Prodigy) estimate one step "
+                     "size from all parameters");
+    m.clear();
+    try {
+      make_fused_backward(plugin->create(model.groups(), hp));
+    } catch (const Error& e) {
+      m = e.what();
+    }
+    EXPECT_EQ(m, who +
+                     " cannot step in the fused backward pass: it does not declare "
+                     "supports_step_param (use the normal mode or optimizer groups)");
+    EXPECT_NE(make_normal_step(plugin->create(model.groups(), hp)), nullptr);
+    EXPECT_EQ(fusebox::plugin_of(*plugin->create(model.groups(), hp))->name, plugin->info().name);
+  }
+}
+
 // The hooked modes need leaf tensors that require gradients; the one that is not is named.
 TEST(StepModes, AFrozenOrComputedParameterIsNamedByTheHookedModes) {
   auto plugin = registry().load_file("sgd.so");

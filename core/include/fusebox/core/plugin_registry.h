@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,11 @@ struct BrokenPlugin {
   std::filesystem::path path;
   std::string error;
 };
+
+/// The plugin that made `optimizer` through LoadedPlugin::create, or nothing for an optimizer made
+/// otherwise (a subclass in the program itself). The step modes check its capabilities with it:
+/// fused stepping needs supports_step_param; optimizer groups and sharded state refuse auto_lr.
+std::optional<PluginInfo> plugin_of(const Optimizer& optimizer);
 
 class PluginRegistry {
  public:
