@@ -25,7 +25,6 @@ void HookedStep::attach(const std::vector<at::Tensor>& params,
   params_ = params;
   names_ = names;
   fired_.assign(params.size(), false);
-  fired_in_.assign(params.size(), 0);
   warned_.assign(params.size(), false);
   updated_.assign(params.size(), false);
   norms_.assign(params.size(), at::Tensor());
@@ -39,28 +38,25 @@ void HookedStep::ready(size_t i) {
   const at::Tensor& param = params_[i];
   // The hooks stay on the parameters as long as the mode exists: a backward pass run some other
   // way (loss.backward(), another step mode over the same parameters) would step them unseen.
-  if (!in_backward_)
+  // Its gradient is dropped, so that the mode's next backward() does not add to it.
+  if (!in_backward_) {
+    param.mutable_grad().reset();
     throw Error("parameter '" + names_[i] + "' received a gradient from a backward pass outside " +
                 "this " + name() + " mode's backward(): while the mode exists it steps its " +
                 "parameters from their gradients; call mode->backward(loss), or destroy the mode " +
                 "before computing these gradients another way");
+  }
   if (error_) {  // an earlier hook failed: update nothing more, free memory
     param.mutable_grad().reset();
     return;
   }
   try {
-    if (fired_[i] && fired_in_[i] != backward_calls_)
-      throw Error("parameter '" + names_[i] + "' received a gradient in a second backward() " +
-                  "without step() in between: the " + name() + " mode updates parameters " +
-                  "during backward, so gradients cannot accumulate; call step() after each " +
-                  "backward()");
     if (fired_[i])
       throw Error("parameter '" + names_[i] +
                   "' received a second gradient within one backward pass (retain_graph, double "
                   "backward or reentrant checkpointing?); fused stepping updates each parameter "
                   "once per iteration");
     fired_[i] = true;
-    fired_in_[i] = backward_calls_;
     if (options_.track_grad_bytes) peak_bytes_ = std::max(peak_bytes_, live_grad_bytes(params_));
     if (reducer_.active()) {
       // Also without a gradient: the parameter's bucket is complete without it (zeros).
@@ -137,9 +133,17 @@ void HookedStep::deferred_check() {
                        scale_hint(options_));
 }
 
+void HookedStep::refuse_second_backward() const {
+  if (awaiting_step_)
+    throw Error("backward() was called a second time without step() in between: the " + name() +
+                " mode updates parameters during backward, so gradients cannot accumulate; "
+                "call step() after each backward() (or add the losses into one)");
+}
+
 void HookedStep::backward(const at::Tensor& loss) {
+  // Refused before anything runs, so the iteration stays as it was and step() still ends it.
+  refuse_second_backward();
   error_ = nullptr;
-  ++backward_calls_;
   struct InBackward {  // the hooks act only inside this call, also when it throws
     bool& flag;
     explicit InBackward(bool& f) : flag(f) { flag = true; }
@@ -163,9 +167,11 @@ void HookedStep::backward(const at::Tensor& loss) {
     abandon_iteration();
     throw;
   }
+  awaiting_step_ = true;
 }
 
 void HookedStep::abandon_iteration() {
+  awaiting_step_ = false;
   reducer_.abandon();
   for (auto& p : params_) p.mutable_grad().reset();
   fired_.assign(params_.size(), false);
@@ -177,6 +183,18 @@ void HookedStep::abandon_iteration() {
 }
 
 StepStats HookedStep::finish_iteration() {
+  // The iteration is over whatever happens below (a warning callback or the norm's read may
+  // throw): the next backward() starts clean.
+  struct EndIteration {
+    HookedStep& s;
+    ~EndIteration() {
+      s.fired_.assign(s.params_.size(), false);
+      s.updated_.assign(s.params_.size(), false);
+      s.norms_.assign(s.params_.size(), at::Tensor());
+      s.peak_bytes_ = 0;
+      s.awaiting_step_ = false;
+    }
+  } end_iteration{*this};
   StepStats stats;
   if (options_.loss_scaler) stats.loss_scale = options_.loss_scaler->scale();
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -194,10 +212,6 @@ StepStats HookedStep::finish_iteration() {
     if (n.defined()) norms.push_back(n);
   if (!norms.empty()) stats.grad_norm = stacked_norms(norms).norm().item<double>();
   if (options_.track_grad_bytes) stats.peak_grad_bytes = peak_bytes_;
-  fired_.assign(params_.size(), false);
-  updated_.assign(params_.size(), false);
-  norms_.assign(params_.size(), at::Tensor());
-  peak_bytes_ = 0;
   return stats;
 }
 

@@ -1,6 +1,7 @@
 // Cores and memory this process may use: affinity, cgroup v1/v2 quotas and limits.
 #include "fusebox/core/host_resources.h"
 
+#include <dlfcn.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -70,9 +71,15 @@ std::vector<std::string> cgroup_folders(const CgroupSources& src, const std::str
       break;
     }
   }
-  if (!found) return {};
+  // Only an absolute path without ".." names a place in the hierarchy.
+  if (!found || path.empty() || path[0] != '/' || path.find("/..") != std::string::npos) return {};
   // /proc/self/mountinfo: "ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - TYPE SOURCE
-  // SUPEROPTIONS"; a v1 hierarchy names its controllers among the super options.
+  // SUPEROPTIONS"; a v1 hierarchy names its controllers among the super options. A mount shows
+  // the subtree at its ROOT: the one whose root is the longest prefix of the path shows the
+  // cgroup; where none contains it, no folder of this process's cgroup is visible.
+  std::string best_mount, best_rel;
+  size_t best_root = 0;
+  bool any = false;
   for (const std::string& line : split(read_text(src.mountinfo), '\n')) {
     std::vector<std::string> f;
     std::istringstream in(line);
@@ -82,25 +89,23 @@ std::vector<std::string> cgroup_folders(const CgroupSources& src, const std::str
     const std::string type = *(dash + 1);
     if (v2 ? type != "cgroup2" : type != "cgroup" || !contains(split(*(dash + 3), ','), controller))
       continue;
-    const std::string root = unescape(f[3]), mount = src.root + unescape(f[4]);
-    // The process's path is given from the hierarchy's root; this mount shows `root` of it.
-    std::string rel;
-    if (root == "/") {
-      rel = path;
-    } else if (path.compare(0, root.size(), root) == 0 &&
-               (path.size() == root.size() || path[root.size()] == '/')) {
-      rel = path.substr(root.size());
-    }  // else the cgroup is outside what this mount shows: read the mount point alone
-    if (rel.find("/..") != std::string::npos) rel.clear();
-    std::vector<std::string> folders;
-    while (!rel.empty() && rel != "/") {
-      folders.push_back(mount + rel);
-      rel.erase(rel.find_last_of('/'));
-    }
-    folders.push_back(mount);
-    return folders;
+    std::string root = unescape(f[3]);
+    if (root.size() > 1 && root.back() == '/') root.pop_back();
+    const bool inside = root == "/" || (path.compare(0, root.size(), root) == 0 &&
+                                        (path.size() == root.size() || path[root.size()] == '/'));
+    if (!inside || (any && root.size() <= best_root)) continue;
+    any = true, best_root = root.size();
+    best_mount = src.root + unescape(f[4]);
+    best_rel = root == "/" ? path : path.substr(root.size());
   }
-  return {};
+  if (!any) return {};
+  std::vector<std::string> folders;
+  for (std::string rel = best_rel; !rel.empty() && rel != "/";) {
+    folders.push_back(best_mount + rel);
+    rel.erase(rel.find_last_of('/'));  // rel starts with '/': there is always one
+  }
+  folders.push_back(best_mount);
+  return folders;
 }
 
 // A whole number from a cgroup file, or nullopt-like false for "max", "-1" or nothing.
@@ -170,21 +175,25 @@ double cgroup_cpu_quota(const CgroupSources& sources) {
 
 int usable_cores() {
   int cores = 0;
-  // The affinity mask, in a set large enough for any machine this process can see.
+  // LibTorch's OpenMP (libgomp) pins the thread that loads it to one core when OMP_PROC_BIND or
+  // OMP_PLACES is set, so this thread's mask may be one core; libgomp's own count is of the mask
+  // the process started with (taskset, a cpuset), read before it pinned anything.
+  using NumProcs = int (*)();
+  if (const auto omp_procs = reinterpret_cast<NumProcs>(::dlsym(RTLD_DEFAULT, "omp_get_num_procs")))
+    cores = omp_procs();
+  // Without OpenMP: this thread's affinity mask, in a set large enough for any machine.
   const int configured = std::max<int>(static_cast<int>(::sysconf(_SC_NPROCESSORS_CONF)),
                                        static_cast<int>(std::thread::hardware_concurrency()));
-  for (int size = std::max(configured, 1024); size <= (1 << 20) && cores == 0; size *= 2) {
+  for (int size = std::max(configured, 1024); size <= (1 << 20) && cores <= 0; size *= 2) {
     cpu_set_t* set = CPU_ALLOC(size);
     if (!set) break;
     const size_t bytes = CPU_ALLOC_SIZE(size);
     CPU_ZERO_S(bytes, set);
-    if (::sched_getaffinity(0, bytes, set) == 0) {
-      cores = CPU_COUNT_S(bytes, set);
-      CPU_FREE(set);
-      break;
-    }
+    const bool ok = ::sched_getaffinity(0, bytes, set) == 0;
+    const int error = errno;  // before free() may change it
+    if (ok) cores = CPU_COUNT_S(bytes, set);
     CPU_FREE(set);
-    if (errno != EINVAL) break;
+    if (ok || error != EINVAL) break;
   }
   if (cores <= 0) cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (const double quota = cgroup_cpu_quota(); quota > 0)

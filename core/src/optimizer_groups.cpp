@@ -150,6 +150,7 @@ class OptimizerGroups final : public detail::HookedStep {
   }
 
   void backward(const at::Tensor& loss) override {
+    refuse_second_backward();  // before the try: the pending iteration's counts must stay
     try {
       HookedStep::backward(loss);
     } catch (...) {

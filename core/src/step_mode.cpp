@@ -144,7 +144,7 @@ void check_capabilities(const Optimizer& optimizer, const std::string& mode,
 at::Tensor stacked_norms(const std::vector<at::Tensor>& norms) {
   std::vector<at::Tensor> as_double;
   as_double.reserve(norms.size());
-  for (const auto& n : norms) as_double.push_back(n.to(at::kDouble));
+  for (const auto& n : norms) as_double.push_back(n.to(norms.front().device(), at::kDouble));
   return at::stack(as_double);
 }
 

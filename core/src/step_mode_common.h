@@ -61,9 +61,9 @@ void clip_by_norm_(const at::Tensor& param, const at::Tensor& norm, double max_n
 void clip_by_norm_(const at::Tensor& param, double norm, double max_norm);
 /// Bytes of all defined gradients of `params`.
 int64_t live_grad_bytes(const std::vector<at::Tensor>& params);
-/// The per-gradient norms (0-d, any float dtype) as one double vector, in the order given; its
-/// norm() is the global gradient norm. Every mode computes it so, over the norms in parameter
-/// order, so they report the same norm bit for bit.
+/// The per-gradient norms (0-d, any float dtype) as one double vector on the first norm's device,
+/// in the order given; its norm() is the global gradient norm. Every mode computes it so, over the
+/// norms in parameter order, so they report the same norm bit for bit.
 at::Tensor stacked_norms(const std::vector<at::Tensor>& norms);
 
 /// Refuses an optimizer made by a plugin whose capabilities do not allow `mode` ("normal",
@@ -101,6 +101,9 @@ class HookedStep : public StepMode {
   /// Abandons the iteration after a failure: frees every gradient and forgets what fired, so the
   /// next backward starts clean.
   void abandon_iteration();
+  /// Throws when a backward() has run and step() has not ended its iteration yet (changes
+  /// nothing: the pending iteration can still be stepped).
+  void refuse_second_backward() const;
   /// Device gradients: reads the finiteness flags gathered during backward (one host sync) and
   /// throws NonFiniteError naming the first non-finite gradient.
   void deferred_check();
@@ -115,10 +118,9 @@ class HookedStep : public StepMode {
   void ready(size_t i);
   std::vector<std::unique_ptr<compat::GradReadyHook>> hooks_;
   std::vector<bool> fired_, warned_;
-  std::vector<int64_t> fired_in_;  // the backward() call in which each parameter's hook fired
-  int64_t backward_calls_ = 0;
-  bool in_backward_ = false;   // inside backward(): the only time the hooks may step
-  std::vector<bool> updated_;  // process(i) ran in this iteration
+  bool in_backward_ = false;    // inside backward(): the only time the hooks may step
+  bool awaiting_step_ = false;  // a backward() has run; step() must end the iteration first
+  std::vector<bool> updated_;   // process(i) ran in this iteration
   std::exception_ptr error_;
   std::vector<at::Tensor> norms_;          // per parameter: its gradient's norm in this iteration
   std::vector<at::Tensor> device_finite_;  // device gradients: 0-d "is finite" flags

@@ -7,6 +7,8 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -141,15 +143,30 @@ TEST(HostResources, HybridTreesAndEscapedMountPoints) {
   EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, int64_t{1} << 30);
 }
 
-// A path that leaves the mount (a process in a cgroup the mount does not show) reads only the
-// mount point, never a folder outside it.
-TEST(HostResources, ACgroupOutsideTheMountReadsTheMountPointOnly) {
+// Several mounts of one hierarchy: the one whose root is the longest prefix of the process's path
+// shows its cgroup. A cgroup no mount shows, a path with "..", and odd lines read nothing (the
+// mount point would be another cgroup than an ancestor of this one), and never throw.
+TEST(HostResources, TheMountShowingTheCgroupIsReadAndNoOther) {
   FakeHost h;
-  const CgroupSources s =
-      h.sources("30 22 0:26 /ns /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", "0::/other/../x\n");
-  h.write("/sys/fs/cgroup/memory.max", "1073741824\n");
-  h.write("/sys/fs/memory.max", "1024\n");
-  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, int64_t{1} << 30);
+  const std::string mounts =
+      "30 22 0:26 /other /mnt/other rw - cgroup2 cgroup2 rw\n"
+      "31 22 0:26 / /mnt/all rw - cgroup2 cgroup2 rw\n"
+      "32 22 0:26 /job /mnt/job rw - cgroup2 cgroup2 rw\n";
+  h.write("/mnt/all/memory.max", "4294967296\n");
+  h.write("/mnt/job/memory.max", "2147483648\n");
+  h.write("/mnt/job/step/memory.max", "1073741824\n");
+  h.write("/mnt/other/memory.max", "1024\n");
+  auto m = fusebox::host::cgroup_memory_limit(h.sources(mounts, "0::/job/step\n"));
+  EXPECT_EQ(m.bytes, int64_t{1} << 30);  // /mnt/job shows /job/step and /job; not /mnt/other
+  EXPECT_EQ(m.cgroup_file, h.path("/mnt/job/step/memory.max"));
+  // Only the subtree /other is mounted: the process's /x is in none of them.
+  const std::string other_only = "30 22 0:26 /other /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+  h.write("/sys/fs/cgroup/memory.max", "1024\n");
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(h.sources(other_only, "0::/x\n")).bytes, 0);
+  for (const char* odd : {"0::/other/../x\n", "0::x\n", "0::\n", "0:\n", "garbage\n"}) {
+    EXPECT_EQ(fusebox::host::cgroup_memory_limit(h.sources(other_only, odd)).bytes, 0) << odd;
+    EXPECT_EQ(fusebox::host::cgroup_cpu_quota(h.sources(other_only, odd)), 0) << odd;
+  }
 }
 
 TEST(HostResources, UsableMemoryIsAtMostThePhysicalMemory) {
@@ -161,25 +178,39 @@ TEST(HostResources, UsableMemoryIsAtMostThePhysicalMemory) {
   EXPECT_EQ(m.cgroup_file.empty(), m.bytes == physical);
 }
 
-// The affinity mask is read per thread: a thread allowed on one core may use one core.
-TEST(HostResources, UsableCoresFollowTheAffinityMask) {
+// The cores are those of the affinity mask the process starts with (taskset, a cpuset): a copy
+// of this test program started on one core counts one. OMP_PROC_BIND makes LibTorch's OpenMP pin
+// the main thread to a single core when it loads; that is not a limit on the process, so a copy
+// started with it counts every core.
+TEST(HostResources, UsableCoresAreTheMaskTheProcessStartsWith) {
+  if (const char* expect = std::getenv("FUSEBOX_TEST_EXPECT_CORES")) {  // in the copy
+    EXPECT_EQ(fusebox::host::usable_cores(), std::atoi(expect));
+    return;
+  }
   const int all = fusebox::host::usable_cores();
   EXPECT_GE(all, 1);
   EXPECT_LE(all, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  int pinned = 0;
-  std::thread t([&] {
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    cpu_set_t mine;
-    ASSERT_EQ(::sched_getaffinity(0, sizeof mine, &mine), 0);
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &mine)) {
-        CPU_SET(c, &one);
-        break;
-      }
-    ASSERT_EQ(::sched_setaffinity(0, sizeof one, &one), 0);
-    pinned = fusebox::host::usable_cores();
-  });
-  t.join();
-  EXPECT_EQ(pinned, 1);
+  if (std::system("command -v taskset >/dev/null") != 0) GTEST_SKIP() << "no taskset";
+  cpu_set_t mine;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof mine, &mine), 0);
+  int first = 0;
+  while (!CPU_ISSET(first, &mine)) ++first;
+  std::error_code ec;
+  const std::string self = fs::read_symlink("/proc/self/exe", ec).string();
+  ASSERT_FALSE(ec);
+  const auto run_copy = [&](const std::string& env, const std::string& prefix, int expect) {
+    const std::string cmd = env + " FUSEBOX_TEST_EXPECT_CORES=" + std::to_string(expect) + " " +
+                            prefix + self +
+                            " --gtest_filter=HostResources.UsableCoresAreTheMask* 2>&1";
+    std::string out;
+    if (FILE* p = ::popen(cmd.c_str(), "r")) {
+      char buf[4096];
+      for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+      EXPECT_EQ(::pclose(p), 0) << cmd << "\n" << out;
+    }
+    EXPECT_NE(out.find("[  PASSED  ] 1 test."), std::string::npos) << cmd << "\n" << out;
+  };
+  run_copy("", "taskset -c " + std::to_string(first) + " ", 1);
+  run_copy("OMP_PROC_BIND=true", "", all);
+  run_copy("OMP_PLACES=cores", "", all);
 }

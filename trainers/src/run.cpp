@@ -479,6 +479,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]", first_step);
   end_bar_line = [&progress] { progress.finish(); };
+  struct Unhook {  // `progress` dies before the step mode that holds the warning callback
+    std::function<void()>& f;
+    ~Unhook() {
+      f = [] {};
+    }
+  } unhook{end_bar_line};
   const bool autocast = autocast_enabled(c);
   const at::ScalarType autocast_dtype = c.mixed_precision == "fp16" ? at::kHalf : at::kBFloat16;
 

@@ -38,8 +38,8 @@ MemoryLimit usable_memory();
 /// cpu.cfs_period_us; 1.5 = one and a half cores), or 0 when no quota applies.
 double cgroup_cpu_quota(const CgroupSources& sources = {});
 
-/// The cores this process may run on (its affinity mask), lowered to a cgroup CPU quota rounded
-/// up; at least 1.
+/// The cores this process may run on (the affinity mask it started with, as OpenMP counts it
+/// where OpenMP is loaded), lowered to a cgroup CPU quota rounded up; at least 1.
 int usable_cores();
 
 }  // namespace fusebox::host
