@@ -56,6 +56,12 @@ const char* kV2Mounts =
     "30 22 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 "
     "rw,nsdelegate,memory_recursiveprot\n";
 
+// Neither a memory limit nor a CPU quota is read from `s`.
+void expect_unlimited(const CgroupSources& s, const std::string& what = "") {
+  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, 0) << what;
+  EXPECT_EQ(fusebox::host::cgroup_cpu_quota(s), 0) << what;
+}
+
 }  // namespace
 
 TEST(HostResources, CgroupV2TakesTheLowestLimitOfTheCgroupAndItsAncestors) {
@@ -84,17 +90,14 @@ TEST(HostResources, NoLimitAnywhereIsNoLimit) {
   EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, 0);  // the root has no files
   h.write("/sys/fs/cgroup/memory.max", "max\n");
   h.write("/sys/fs/cgroup/cpu.max", "max 100000\n");
-  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, 0);
-  EXPECT_EQ(fusebox::host::cgroup_cpu_quota(s), 0);
+  expect_unlimited(s);
   // Garbage and missing sources are no limit either, never an error.
   h.write("/sys/fs/cgroup/memory.max", "lots\n");
   h.write("/sys/fs/cgroup/cpu.max", "100000\n");
-  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, 0);
-  EXPECT_EQ(fusebox::host::cgroup_cpu_quota(s), 0);
+  expect_unlimited(s);
   CgroupSources missing;
   missing.mountinfo = h.path("/nothing"), missing.cgroup = h.path("/nothing");
-  EXPECT_EQ(fusebox::host::cgroup_memory_limit(missing).bytes, 0);
-  EXPECT_EQ(fusebox::host::cgroup_cpu_quota(missing), 0);
+  expect_unlimited(missing);
 }
 
 // A container without its own cgroup namespace: the hierarchy's /docker/abc is mounted as the
@@ -113,8 +116,7 @@ TEST(HostResources, CgroupV1ControllersAndAMountOfASubtree) {
   h.write("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
   h.write("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "-1\n");
   h.write("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us", "100000\n");
-  EXPECT_EQ(fusebox::host::cgroup_memory_limit(s).bytes, 0);
-  EXPECT_EQ(fusebox::host::cgroup_cpu_quota(s), 0);
+  expect_unlimited(s);
 
   h.write("/sys/fs/cgroup/memory/memory.limit_in_bytes", "536870912\n");
   h.write("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "200000\n");
@@ -163,10 +165,8 @@ TEST(HostResources, TheMountShowingTheCgroupIsReadAndNoOther) {
   const std::string other_only = "30 22 0:26 /other /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
   h.write("/sys/fs/cgroup/memory.max", "1024\n");
   EXPECT_EQ(fusebox::host::cgroup_memory_limit(h.sources(other_only, "0::/x\n")).bytes, 0);
-  for (const char* odd : {"0::/other/../x\n", "0::x\n", "0::\n", "0:\n", "garbage\n"}) {
-    EXPECT_EQ(fusebox::host::cgroup_memory_limit(h.sources(other_only, odd)).bytes, 0) << odd;
-    EXPECT_EQ(fusebox::host::cgroup_cpu_quota(h.sources(other_only, odd)), 0) << odd;
-  }
+  for (const char* odd : {"0::/other/../x\n", "0::x\n", "0::\n", "0:\n", "garbage\n"})
+    expect_unlimited(h.sources(other_only, odd), odd);
 }
 
 TEST(HostResources, UsableMemoryIsAtMostThePhysicalMemory) {
