@@ -43,6 +43,11 @@ ComputeThreads set_compute_threads(int intra_op, int blas) {
   return out;
 }
 
+int blas_threads_now() {
+  const auto get_blas = find_symbol<GetThreads>("openblas_get_num_threads");
+  return get_blas ? get_blas() : 0;
+}
+
 int available_cores() { return host::usable_cores(); }
 
 }  // namespace fusebox

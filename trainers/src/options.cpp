@@ -153,8 +153,9 @@ std::vector<OptionSpec> build_specs() {
               "intra-op CPU threads (default: the cores this process may use)", "N"));
   at_least(threads, 1), at_most(threads, kMaxThreads), threads.derived_default = true;
   OptionSpec& blas_threads = add(opt("blas-threads", Kind::Int, int64_t{0},
-                                     "OpenBLAS threads for matrix products (0: the cores this "
-                                     "process may use, shared by local ranks)",
+                                     "OpenBLAS threads for matrix products (0: OpenBLAS's own "
+                                     "count, at most the cores this process may use; local "
+                                     "ranks share them)",
                                      "N"));
   at_least(blas_threads, 0), at_most(blas_threads, kMaxThreads);
   blas_threads.derived_default = true;

@@ -280,7 +280,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   const int64_t local_ranks = std::max(1, dist.config.local_world_size);
   int64_t threads = c.threads, blas_threads = c.blas_threads;
   if (!c.threads_given) threads = std::max<int64_t>(1, threads / local_ranks);
-  if (!c.blas_threads_given) blas_threads = std::max<int64_t>(1, available_cores() / local_ranks);
+  // OpenBLAS sizes its own pool (an OpenMP build follows --threads), but knows no cgroup quota:
+  // its count is lowered to the usable cores, never raised (Debian 13's OpenBLAS gives NaN bf16
+  // products with more threads than the intra-op pool, which its OpenMP build never starts).
+  if (!c.blas_threads_given && local_ranks > 1)
+    blas_threads = std::max<int64_t>(1, available_cores() / local_ranks);
+  else if (!c.blas_threads_given && blas_threads_now() > available_cores())
+    blas_threads = available_cores();
   const ComputeThreads used =
       set_compute_threads(static_cast<int>(threads), static_cast<int>(blas_threads));
   at::manual_seed(static_cast<uint64_t>(c.seed));

@@ -21,6 +21,10 @@ struct ComputeThreads {
 /// follows `at::set_num_threads` already.)
 ComputeThreads set_compute_threads(int intra_op, int blas = 0);
 
+/// OpenBLAS's thread count now (0 when the BLAS cannot be asked). An OpenMP build of OpenBLAS
+/// answers with OpenMP's current count, so it follows set_compute_threads' intra-op number.
+int blas_threads_now();
+
 /// The cores this process may use (at least 1): its CPU affinity mask, lowered to a cgroup CPU
 /// quota (fusebox/core/host_resources.h). The default size of both pools.
 int available_cores();
