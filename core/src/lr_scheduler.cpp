@@ -32,14 +32,21 @@ LrScheduler::LrScheduler(std::vector<std::shared_ptr<Optimizer>> optimizers,
                          SchedulerOptions options)
     : optimizers_(std::move(optimizers)), options_(std::move(options)) {
   const auto& types = scheduler_types();
+  // Named as SchedulerOptions' fields: the trainer checks its own options before it gets here.
   if (std::find(types.begin(), types.end(), options_.type) == types.end())
-    throw Error("--lr-scheduler: unknown scheduler '" + options_.type + "'" +
+    throw Error("learning-rate schedule: unknown type '" + options_.type + "'" +
                 did_you_mean(options_.type, types));
-  if (options_.warmup_steps < 0) throw Error("--lr-warmup-steps must be >= 0");
-  if (options_.total_steps < 1) throw Error("--max-train-steps must be >= 1");
-  if (options_.num_cycles <= 0) throw Error("--lr-scheduler-num-cycles must be > 0");
-  if (options_.type == "polynomial" && options_.power <= 0)
-    throw Error("--lr-scheduler-power must be > 0");
+  const auto bad = [](const std::string& field, const std::string& rule, double got) {
+    return Error("learning-rate schedule: SchedulerOptions::" + field + " must be " + rule +
+                 ", got " + short_real(got));
+  };
+  if (options_.warmup_steps < 0)
+    throw bad("warmup_steps", ">= 0", static_cast<double>(options_.warmup_steps));
+  if (options_.total_steps < 1)
+    throw bad("total_steps", ">= 1", static_cast<double>(options_.total_steps));
+  if (!(options_.num_cycles > 0)) throw bad("num_cycles", "> 0", options_.num_cycles);
+  if (options_.type == "polynomial" && !(options_.power > 0))
+    throw bad("power", "> 0", options_.power);
   for (const auto& opt : optimizers_) {
     std::vector<double> base;
     for (size_t g = 0; g < opt->num_groups(); ++g) {
@@ -47,9 +54,9 @@ LrScheduler::LrScheduler(std::vector<std::shared_ptr<Optimizer>> optimizers,
       // As transformers' polynomial schedule: decaying "to" an end at or above the start would
       // silently hold the lr constant.
       if (options_.type == "polynomial" && lr > 0 && lr <= options_.lr_end)
-        throw Error("--lr-scheduler polynomial decays to " + short_real(options_.lr_end) +
+        throw Error("learning-rate schedule: polynomial decays to " + short_real(options_.lr_end) +
                     ", but the learning rate is " + short_real(lr) +
-                    ": raise --learning-rate above it or choose another --lr-scheduler");
+                    ": raise the learning rate above it or choose another schedule");
       base.push_back(lr);
     }
     base_lrs_.push_back(std::move(base));

@@ -43,7 +43,9 @@ std::vector<size_t> cut(const std::vector<Item>& items, size_t n, int64_t capaci
 
 std::vector<std::vector<ParamGroup>> split_param_groups(const std::vector<ParamGroup>& groups,
                                                         int64_t n, SplitPolicy policy) {
-  if (n < 1) throw Error("--fused-optimizer-groups must be at least 1, got " + std::to_string(n));
+  if (n < 1)
+    throw Error("optimizer groups: the number of groups must be at least 1, got " +
+                std::to_string(n));
   std::vector<Item> items;
   size_t boundaries = 1;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -205,7 +207,7 @@ std::unique_ptr<StepMode> make_optimizer_groups(const std::vector<ParamGroup>& g
   size_t tensors = 0;
   for (const auto& g : groups) tensors += g.params.size();
   if (n >= 1 && static_cast<size_t>(n) > tensors && tensors > 0)
-    detail::warner(options)("--fused-optimizer-groups " + std::to_string(n) + " is more than the " +
+    detail::warner(options)(std::to_string(n) + " optimizer groups are more than the " +
                             std::to_string(tensors) + " trainable tensors; using " +
                             std::to_string(tensors) + " groups");
   auto splits = split_param_groups(groups, n, policy);

@@ -303,6 +303,44 @@ TEST(StepModes, GradientsOutsideTheModesBackwardOrTwiceBeforeStepAreErrors) {
   }
 }
 
+// A parameter whose gradient arrives twice within one backward() (a reentrant backward inside the
+// pass, as reentrant checkpointing runs one) cannot be stepped twice: the second arrival is an
+// error naming the parameter and the likely causes, and the iteration is abandoned.
+TEST(StepModes, ASecondGradientWithinOneBackwardIsAnError) {
+  auto plugin = registry().load_file("sgd.so");
+  for (const char* mode_name : {"fused", "groups"}) {
+    SCOPED_TRACE(mode_name);
+    at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
+    ParamGroup g;
+    g.params = {w};
+    g.names = {"w"};
+    auto mode = make_mode(mode_name, *plugin, g);
+    at::Tensor h = w * 2;
+    // While the outer pass runs, a nested backward gives w its gradient first.
+    h.register_hook([w](const at::Tensor& grad) {
+      const at::AutoGradMode enable(true);  // backward runs hooks with grad mode off
+      (w * 3).sum().backward();
+      return grad;
+    });
+    std::string m;
+    try {
+      mode->backward(h.sum());
+    } catch (const std::exception& e) {
+      m = e.what();
+    }
+    EXPECT_NE(m.find("parameter 'w' received a second gradient within one backward pass "
+                     "(retain_graph, double backward or reentrant checkpointing?)"),
+              std::string::npos)
+        << m;
+    EXPECT_FALSE(w.grad().defined()) << "the second gradient is dropped";
+    // The abandoned iteration leaves the mode ready for the next one.
+    const at::Tensor before = w.detach().clone();
+    mode->backward((w * 2).sum());
+    EXPECT_EQ(mode->step().params_stepped, 1);
+    EXPECT_TRUE(at::allclose(w.detach(), before - 2e-3)) << "sgd, lr 1e-3, gradient 2";
+  }
+}
+
 // The modes check the capabilities of the plugin that made the optimizer, for programs of their
 // own too (the trainer refuses these before it builds anything): an auto-LR plugin in optimizer
 // groups would silently train differently from the normal mode, and fused stepping needs
@@ -568,7 +606,25 @@ TEST(LrScheduler, DrivesEveryGroupAndStepKUsesTheLrAfterKMinusOneSteps) {
   EXPECT_EQ(sched.lrs(), std::vector<double>(3, 0.05));
   sched.set_step_count(6);
   for (double lr : sched.lrs()) EXPECT_NEAR(lr, 0.1 * 4.0 / 8.0, 1e-15);
-  EXPECT_THROW(LrScheduler(mode->optimizers(), SchedulerOptions{"cosin"}), Error);
+  // Bad options are named as the library's fields (a program of the user's own has no flags).
+  const auto error_of = [&](SchedulerOptions bad) {
+    try {
+      LrScheduler(mode->optimizers(), bad);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(error_of(SchedulerOptions{"cosin"}),
+            "learning-rate schedule: unknown type 'cosin' (did you mean 'cosine'?)");
+  EXPECT_EQ(error_of(SchedulerOptions{"linear", -1, 10}),
+            "learning-rate schedule: SchedulerOptions::warmup_steps must be >= 0, got -1");
+  EXPECT_EQ(error_of(SchedulerOptions{"linear", 0, 0}),
+            "learning-rate schedule: SchedulerOptions::total_steps must be >= 1, got 0");
+  EXPECT_EQ(error_of(SchedulerOptions{"cosine_with_restarts", 0, 10, NAN}),
+            "learning-rate schedule: SchedulerOptions::num_cycles must be > 0, got nan");
+  EXPECT_EQ(error_of(SchedulerOptions{"polynomial", 0, 10, 1, 0}),
+            "learning-rate schedule: SchedulerOptions::power must be > 0, got 0");
 }
 
 TEST(LrScheduler, ShapesMatchTheirDefinitions) {
