@@ -108,7 +108,7 @@ struct Reader {
         fail("unsupported tensor dtype " + std::to_string(static_cast<int>(type)));
     }
     const uint8_t ndim = get<uint8_t>();
-    if (ndim > 16) fail("tensor with " + std::to_string(ndim) + " dimensions");
+    if (ndim > 64) fail("tensor with " + std::to_string(ndim) + " dimensions");
     std::vector<int64_t> sizes;
     uint64_t numel = 1;
     for (uint8_t d = 0; d < ndim; ++d) {

@@ -231,19 +231,6 @@ std::shared_ptr<Optimizer> LoadedPlugin::create(std::vector<ParamGroup> groups,
   if (!made)
     throw Error("plugin '" + info_.name + "' (" + info_.path.string() +
                 ") returned no optimizer from its factory");
-  // State dicts and checkpoints are keyed by parameter name: two parameters of one name would
-  // share (and lose) state silently. Names made up for unnamed groups ("g0.p0") count too.
-  std::map<std::string, std::string> seen;  // name -> "group G #I"
-  for (size_t g = 0; g < made->num_groups(); ++g)
-    for (size_t i = 0; i < made->group(g).names.size(); ++i) {
-      const std::string& name = made->group(g).names[i];
-      const std::string where = "group " + std::to_string(g) + " #" + std::to_string(i);
-      if (auto [it, fresh] = seen.emplace(name, where); !fresh)
-        throw Error("parameter name '" + name + "' is given to two parameters (" + it->second +
-                    " and " + where +
-                    "): optimizer state and checkpoints are keyed by name, so each parameter "
-                    "needs its own");
-    }
   // The deleter holds the library: the object's code stays mapped until it is destroyed.
   std::shared_ptr<void> lib = library_;
   made_by().add(made.get(), info_);

@@ -185,3 +185,130 @@ TEST(StateDict, AmsgradSwitchedOnAtResumeKeepsARunningMaximum) {
   EXPECT_TRUE(at::equal(after.at(name + "/max_exp_avg_sq"),
                         at::maximum(v2, after.at(name + "/exp_avg_sq"))));
 }
+
+namespace {
+
+std::string load_error(fusebox::Optimizer& opt, const fusebox::StateDict& dict) {
+  try {
+    opt.load_state_dict(dict);
+  } catch (const fusebox::Error& e) {
+    return e.what();
+  }
+  return "loaded";
+}
+
+// Every entry of `a` equals the one of `b` (same keys, same values).
+bool same_state(const fusebox::StateDict& a, const fusebox::StateDict& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [k, v] : a) {
+    auto it = b.find(k);
+    if (it == b.end() || !at::equal(v.cpu(), it->second.cpu())) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// A state dict records the shape and dtype of each parameter it was saved for, so loading
+// another model's state (same names, other shapes or float width) or a corrupt one is refused
+// naming the entry, before any state changes, instead of failing (or broadcasting) in step().
+TEST(StateDict, AnotherModelsOrACorruptDictIsRefusedBeforeAnythingChanges) {
+  const auto init = initial_params(at::kFloat);
+  const auto grads = gradient_sequence(init, 2);
+  auto a = fbt::leaf_copies(init);
+  auto trained = fbt::make("adamw.so", a, {{"lr", "0.01"}});
+  for (const auto& g : grads) {
+    fbt::set_grads(a, g);
+    trained->step();
+  }
+  const fusebox::StateDict saved = trained->state_dict();
+  ASSERT_EQ(saved.at("g0.p0/@param").sizes(), (std::vector<int64_t>{4, 5, 0}));
+
+  // The target has state of its own (one step), which a refused load must leave as it was.
+  auto target_with_state = [&](std::vector<at::Tensor> params) {
+    auto opt = fbt::make("adamw.so", params, {{"lr", "0.01"}});
+    fbt::set_grads(params, gradient_sequence(params, 1)[0]);
+    opt->step();
+    return std::make_pair(opt, params);
+  };
+  {
+    auto [opt, p] = target_with_state(
+        fbt::leaf_copies({at::randn({3, 5}), init[1], init[2], init[3]}));  // p0: [3, 5]
+    const fusebox::StateDict before = opt->state_dict();
+    EXPECT_EQ(load_error(*opt, saved),
+              "optimizer state of parameter 'g0.p0' was saved for shape [4, 5], this parameter "
+              "has [3, 5]: it is another model's state; load state saved from these parameters");
+    EXPECT_TRUE(same_state(opt->state_dict(), before));
+  }
+  {  // float64 parameters: another run's state
+    std::vector<at::Tensor> wide;
+    for (const auto& t : init) wide.push_back(t.to(at::kDouble));
+    auto [opt, p] = target_with_state(fbt::leaf_copies(wide));
+    EXPECT_NE(load_error(*opt, saved)
+                  .find("optimizer state of parameter 'g0.p0' was saved for a "
+                        "Float parameter, this one is Double"),
+              std::string::npos);
+  }
+  {  // bf16 parameters take float32 state (a change of storage, as a --full-bf16 resume makes)
+    std::vector<at::Tensor> low;
+    for (const auto& t : init) low.push_back(t.to(at::kBFloat16));
+    auto b = fbt::leaf_copies(low);
+    auto opt = fbt::make("adamw.so", b, {{"lr", "0.01"}});
+    EXPECT_EQ(load_error(*opt, saved), "loaded");
+  }
+  // Bad step counts and a key that should hold one number, named; nothing changes.
+  const std::vector<std::pair<at::Tensor, std::string>> bad_steps = {
+      {at::scalar_tensor(NAN, at::kDouble), "optimizer state 'g0.p2/step' is nan: a step count"},
+      {at::scalar_tensor(-5.0, at::kDouble), "optimizer state 'g0.p2/step' is -5.000000"},
+      {at::scalar_tensor(2.5, at::kDouble), "optimizer state 'g0.p2/step' is 2.500000"},
+      {at::ones({2}, at::kDouble),
+       "optimizer state 'g0.p2/step' holds 2 values, not one number (a corrupt or foreign state "
+       "dict?)"}};
+  for (const auto& [value, message] : bad_steps) {
+    fusebox::StateDict bad = saved;
+    bad["g0.p2/step"] = value;
+    auto [opt, p] = target_with_state(fbt::leaf_copies(init));
+    const fusebox::StateDict before = opt->state_dict();
+    const std::string m = load_error(*opt, bad);
+    EXPECT_EQ(m.rfind(message, 0), 0u) << m;
+    EXPECT_TRUE(same_state(opt->state_dict(), before)) << "a refused load changed the state";
+  }
+  // A good load replaces all of it, global entries too.
+  auto [opt, p] = target_with_state(fbt::leaf_copies(init));
+  opt->load_state_dict(saved);
+  EXPECT_TRUE(same_state(opt->state_dict(), saved));
+}
+
+// State keys hold no '/', so an entry belongs to the parameter named by all before its last '/':
+// parameters "a" and "a/b" keep their own state through a save and a load.
+TEST(StateDict, ParameterNamesWithSlashesKeepTheirOwnState) {
+  const auto init = initial_params(at::kFloat);
+  const auto grads = gradient_sequence(init, 2);
+  auto p = fbt::plugin("adamw.so");
+  auto make = [&](const std::vector<at::Tensor>& params) {
+    fusebox::ParamGroup g;
+    g.params = {params[0], params[1]};
+    g.names = {"a", "a/b"};
+    return p->create({g}, p->validate(fbt::user_args({{"lr", "0.01"}})));
+  };
+  auto a = fbt::leaf_copies(init);
+  auto opt = make(a);
+  fbt::set_grads(a, grads[0]);
+  opt->step();
+  auto b = fbt::leaf_copies(a);
+  auto loaded = make(b);
+  loaded->load_state_dict(opt->state_dict());
+  EXPECT_TRUE(same_state(loaded->state_dict(), opt->state_dict()));
+  for (auto* params : {&a, &b}) fbt::set_grads(*params, grads[1]);
+  opt->step();
+  loaded->step();
+  for (size_t i = 0; i < 2; ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << i;
+  // Global state goes with the dict too: an auto-LR optimizer loaded from an empty dict starts
+  // afresh, its global estimate included.
+  auto prodigy = fbt::make("prodigy.so", a);
+  fbt::set_grads(a, grads[0]);
+  prodigy->step();
+  ASSERT_GT(prodigy->state_dict().count("@optimizer/d"), 0u);
+  prodigy->load_state_dict({});
+  EXPECT_TRUE(prodigy->state_dict().empty());
+}

@@ -62,6 +62,14 @@ class FUSEBOX_VISIBLE Optimizer {
       for (size_t i = 0; i < group.params.size(); ++i) {
         if (!slots_.emplace(group.params[i].unsafeGetTensorImpl(), Slot{g, i}).second)
           throw Error("parameter '" + group.names[i] + "' appears twice in the optimizer");
+        // State dicts are keyed by name: two parameters of one name would share (and lose) state.
+        const auto [it, fresh] = by_name_.emplace(group.names[i], Slot{g, i});
+        if (!fresh)
+          throw Error("parameter name '" + group.names[i] + "' is given to two parameters (group " +
+                      std::to_string(it->second.group) + " #" + std::to_string(it->second.index) +
+                      " and group " + std::to_string(g) + " #" + std::to_string(i) +
+                      "): optimizer state and checkpoints are keyed by name, so each parameter "
+                      "needs its own");
       }
     }
   }
@@ -130,8 +138,9 @@ class FUSEBOX_VISIBLE Optimizer {
         if (st.step == 0 && st.tensors.empty()) continue;
         const std::string& name = groups_[g].names[i];
         out[name + "/step"] = scalar_tensor_(static_cast<double>(st.step));
+        out[name + "/@param"] = param_signature_(groups_[g].params[i]);
         for (const auto& kv : st.tensors) {
-          if (kv.first == "step") throw reserved_step_key_(name);
+          check_state_key_(name, kv.first);
           if (kv.second.defined()) out[name + "/" + kv.first] = kv.second;
         }
       }
@@ -140,26 +149,41 @@ class FUSEBOX_VISIBLE Optimizer {
   }
 
   /// Restores the entries of `dict` that belong to this optimizer's parameters (others are
-  /// ignored, so a dict saved with other grouping loads group by group); state tensors are copied
-  /// onto each parameter's device.
+  /// ignored, so a dict saved with other grouping loads group by group); a parameter without
+  /// entries starts afresh. State tensors are copied onto each parameter's device. The whole dict
+  /// is checked before anything changes: state saved for a parameter of another shape or float
+  /// width (another model's state) or a bad step count throws Error naming the entry.
   void load_state_dict(const StateDict& dict) {
-    for (size_t g = 0; g < groups_.size(); ++g)
-      for (size_t i = 0; i < groups_[g].params.size(); ++i) {
-        const std::string prefix = groups_[g].names[i] + "/";
-        ParamState fresh;
-        auto it = dict.lower_bound(prefix);
-        for (; it != dict.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
-          const std::string key = it->first.substr(prefix.size());
-          if (key == "step")
-            fresh.step = static_cast<int64_t>(scalar_value_(it->second));
-          else
-            fresh.tensors[key] = copy_to_(it->second, groups_[g].params[i]);
-        }
-        states_[g][i] = std::move(fresh);
-      }
+    std::vector<std::pair<Slot, const StateDict::value_type*>> mine;
+    std::map<std::string, double> globals;
     const std::string gp = "@optimizer/";
-    for (auto it = dict.lower_bound(gp); it != dict.end() && it->first.rfind(gp, 0) == 0; ++it)
-      globals_[it->first.substr(gp.size())] = scalar_value_(it->second);
+    for (const auto& entry : dict) {
+      const std::string& key = entry.first;
+      if (key.rfind(gp, 0) == 0) {
+        globals[key.substr(gp.size())] = scalar_value_(entry.second, key);
+        continue;
+      }
+      const size_t slash = key.rfind('/');  // state keys hold no '/'; parameter names may
+      if (slash == std::string::npos) continue;
+      const auto owner = by_name_.find(key.substr(0, slash));
+      if (owner == by_name_.end()) continue;
+      const std::string sub = key.substr(slash + 1);
+      const at::Tensor& param = groups_[owner->second.group].params[owner->second.index];
+      if (sub == "@param") check_signature_(key, entry.second, param);
+      if (sub == "step") step_count_(key, entry.second);
+      mine.emplace_back(owner->second, &entry);
+    }
+    for (auto& group : states_)
+      for (ParamState& st : group) st = ParamState();
+    for (const auto& [slot, entry] : mine) {
+      const std::string sub = entry->first.substr(entry->first.rfind('/') + 1);
+      ParamState& st = states_[slot.group][slot.index];
+      if (sub == "step")
+        st.step = step_count_(entry->first, entry->second);
+      else if (sub != "@param")
+        st.tensors[sub] = copy_to_(entry->second, groups_[slot.group].params[slot.index]);
+    }
+    globals_ = std::move(globals);
   }
 
  protected:
@@ -200,17 +224,51 @@ class FUSEBOX_VISIBLE Optimizer {
   struct Slot {
     size_t group, index;
   };
-  // update_param on parameter i of group g; a state tensor under the step count's key is refused
-  // at the first step, not when a checkpoint is written hours later.
+  // update_param on parameter i of group g; a state tensor under a key a state dict cannot hold
+  // ("step", "@...", "a/b") is refused at the first step, not when a checkpoint is written.
   void updated(size_t g, size_t i) {
     ParamState& st = states_[g][i];
     update_param(groups_[g].params[i], st, g);
-    if (st.tensors.count("step")) throw reserved_step_key_(groups_[g].names[i]);
+    for (const auto& kv : st.tensors) check_state_key_(groups_[g].names[i], kv.first);
   }
-  static Error reserved_step_key_(const std::string& name) {
-    return Error("optimizer state of parameter '" + name +
-                 "': the tensor key 'step' is reserved for the step count (ParamState::step, "
-                 "saved as <param>/step); give the tensor another name");
+  // "step" is the step count's key, "@..." the SDK's own, and '/' separates name and key.
+  static void check_state_key_(const std::string& name, const std::string& key) {
+    if (key == "step" || key.empty() || key[0] == '@' || key.find('/') != std::string::npos)
+      throw Error("optimizer state of parameter '" + name + "': the tensor key '" + key +
+                  "' is reserved or malformed ('step' is the step count, ParamState::step, "
+                  "saved as <param>/step; keys starting with '@' are fusebox's own and '/' "
+                  "separates parameter and key); give the tensor another name");
+  }
+  // "<param>/@param": an empty tensor of the parameter's dtype and shape [*param.sizes(), 0], so
+  // that loading can tell another model's state from this one's without holding any data.
+  static at::Tensor param_signature_(const at::Tensor& param) {
+    std::vector<int64_t> sizes = param.sizes().vec();
+    sizes.push_back(0);
+    return at::empty(sizes, at::TensorOptions().dtype(param.scalar_type()));
+  }
+  static void check_signature_(const std::string& key, const at::Tensor& sig,
+                               const at::Tensor& param) {
+    const std::string name = key.substr(0, key.size() - 7);  // less "/@param"
+    const auto saved = sig.dim() > 0 ? sig.sizes().slice(0, sig.dim() - 1) : sig.sizes();
+    if (sig.dim() == 0 || saved != param.sizes())
+      throw Error("optimizer state of parameter '" + name + "' was saved for shape " +
+                  c10::str(saved) + ", this parameter has " + c10::str(param.sizes()) +
+                  ": it is another model's state; load state saved from these parameters");
+    // float32 <-> bf16/fp16 is a change of storage (the state stays float32); float64 state
+    // meeting float32 parameters (or integer ones) is another run's.
+    const at::ScalarType from = sig.scalar_type(), to = param.scalar_type();
+    if (from != to && (from == at::kDouble || to == at::kDouble || !c10::isFloatingType(from) ||
+                       !c10::isFloatingType(to)))
+      throw Error("optimizer state of parameter '" + name + "' was saved for a " +
+                  c10::toString(from) + " parameter, this one is " + c10::toString(to) +
+                  ": load state saved with parameters of the same float width");
+  }
+  static int64_t step_count_(const std::string& key, const at::Tensor& t) {
+    const double v = scalar_value_(t, key);
+    if (!(v >= 0 && v <= 9e15 && v == std::floor(v)))
+      throw Error("optimizer state '" + key + "' is " + std::to_string(v) +
+                  ": a step count is a whole number >= 0 (a corrupt or foreign state dict?)");
+    return static_cast<int64_t>(v);
   }
   Slot locate(const at::Tensor& param) const {
     auto it = slots_.find(param.unsafeGetTensorImpl());
@@ -224,13 +282,14 @@ class FUSEBOX_VISIBLE Optimizer {
     return x ^ (x >> 31);
   }
   static at::Tensor scalar_tensor_(double v);
-  static double scalar_value_(const at::Tensor& t);
+  static double scalar_value_(const at::Tensor& t, const std::string& key);
   static at::Tensor copy_to_(const at::Tensor& t, const at::Tensor& like);
 
   std::vector<ParamGroup> groups_;
   HyperParams hp_;
   std::vector<std::vector<ParamState>> states_;
   std::unordered_map<const void*, Slot> slots_;
+  std::unordered_map<std::string, Slot> by_name_;
   std::map<std::string, double> globals_;
 };
 
@@ -239,7 +298,11 @@ class FUSEBOX_VISIBLE Optimizer {
 inline at::Tensor fusebox::Optimizer::scalar_tensor_(double v) {
   return at::scalar_tensor(v, at::TensorOptions().dtype(at::kDouble));
 }
-inline double fusebox::Optimizer::scalar_value_(const at::Tensor& t) {
+inline double fusebox::Optimizer::scalar_value_(const at::Tensor& t, const std::string& key) {
+  if (!t.defined() || t.numel() != 1)
+    throw fusebox::Error("optimizer state '" + key + "' holds " +
+                         (t.defined() ? std::to_string(t.numel()) + " values" : "no tensor") +
+                         ", not one number (a corrupt or foreign state dict?)");
   return t.to(at::kCPU, at::kDouble).item<double>();
 }
 inline at::Tensor fusebox::Optimizer::copy_to_(const at::Tensor& t, const at::Tensor& like) {
