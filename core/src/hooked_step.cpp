@@ -1,7 +1,11 @@
 // The hook machinery behind fused backward and optimizer groups.
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cmath>
+#include <iterator>
+#include <mutex>
+#include <unordered_map>
 
 #include "fusebox/core/loss_scaler.h"
 
@@ -9,8 +13,41 @@
 
 namespace fusebox::detail {
 
+namespace {
+
+// Which hooked modes hook which parameters. Two live modes over one parameter would both react to
+// its gradient (the first one's hooks step it in the second one's backward pass before the first
+// one's refusal arrives), so a backward() is refused while another mode hooks its parameters;
+// making such a mode is allowed (to inspect it, or to destroy the first one later).
+std::mutex hooked_mutex;
+std::unordered_multimap<const void*, const HookedStep*>& hooked_params() {
+  static std::unordered_multimap<const void*, const HookedStep*> m;
+  return m;
+}
+std::atomic<int64_t> hooked_twice{0};  // entries beyond the first per parameter: 0 skips the check
+
+}  // namespace
+
 HookedStep::HookedStep(StepOptions options)
     : options_(std::move(options)), reducer_(options_.comm, options_.bucket_bytes) {}
+
+HookedStep::~HookedStep() {
+  // Destroyed between backward() and step(): the gradients not stepped yet go with it, so that
+  // they are not added to the next mode's.
+  if (awaiting_step_)
+    for (auto& p : params_) p.mutable_grad().reset();
+  const std::lock_guard<std::mutex> lock(hooked_mutex);
+  auto& m = hooked_params();
+  for (const auto& p : params_) {
+    auto [first, last] = m.equal_range(p.unsafeGetTensorImpl());
+    if (std::distance(first, last) > 1) --hooked_twice;
+    for (auto it = first; it != last; ++it)
+      if (it->second == this) {
+        m.erase(it);
+        break;
+      }
+  }
+}
 
 void HookedStep::attach(const std::vector<at::Tensor>& params,
                         const std::vector<std::string>& names,
@@ -22,6 +59,13 @@ void HookedStep::attach(const std::vector<at::Tensor>& params,
                   (params[i].requires_grad() ? "not a leaf tensor (it is computed from others)"
                                              : "frozen (requires_grad is false)") +
                   "; leave it out of the optimizer's groups");
+  {
+    const std::lock_guard<std::mutex> lock(hooked_mutex);
+    for (const auto& p : params) {
+      if (hooked_params().count(p.unsafeGetTensorImpl())) ++hooked_twice;
+      hooked_params().emplace(p.unsafeGetTensorImpl(), this);
+    }
+  }
   params_ = params;
   names_ = names;
   fired_.assign(params.size(), false);
@@ -140,9 +184,32 @@ void HookedStep::refuse_second_backward() const {
                 "call step() after each backward() (or add the losses into one)");
 }
 
+void HookedStep::refuse_shared_parameters() const {
+  if (hooked_twice.load() == 0) return;
+  const std::lock_guard<std::mutex> lock(hooked_mutex);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto [first, last] = hooked_params().equal_range(params_[i].unsafeGetTensorImpl());
+    for (auto it = first; it != last; ++it)
+      if (it->second != this)
+        throw Error("parameter '" + names_[i] + "' is also stepped by a " + it->second->name() +
+                    " mode that still exists, whose hooks would react to its gradient in this " +
+                    name() + " mode's backward pass; destroy that mode first");
+  }
+}
+
 void HookedStep::backward(const at::Tensor& loss) {
   // Refused before anything runs, so the iteration stays as it was and step() still ends it.
   refuse_second_backward();
+  refuse_shared_parameters();
+  // A gradient from before (loss.backward() before this mode was made) would be added to this
+  // pass's and stepped: these modes do not accumulate gradients.
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].grad().defined())
+      throw Error("parameter '" + names_[i] + "' already has a gradient before this " + name() +
+                  " mode's backward(), which would add it to this pass's and step the sum (the " +
+                  name() +
+                  " mode does not accumulate gradients); free it first (zero_grad()), "
+                  "and compute gradients only through the mode's backward()");
   error_ = nullptr;
   struct InBackward {  // the hooks act only inside this call, also when it throws
     bool& flag;

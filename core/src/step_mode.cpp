@@ -293,7 +293,12 @@ class NormalStep final : public StepMode {
   // Steps (this rank's share of) the parameters, frees every gradient, shares the results.
   void update(Optimizer& opt) {
     sharding_.drop_foreign_grads(params_, 0, params_.size());
-    opt.step();
+    try {
+      opt.step();
+    } catch (...) {
+      opt.zero_grad(true);  // a caller that goes on must not add to these gradients
+      throw;
+    }
     opt.zero_grad(true);
     sharding_.broadcast(params_);
   }

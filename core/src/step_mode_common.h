@@ -81,6 +81,7 @@ void check_capabilities(const Optimizer& optimizer, const std::string& mode,
 /// whose gradient only other ranks produced (the average is then its gradient here too).
 class HookedStep : public StepMode {
  public:
+  ~HookedStep() override;
   void backward(const at::Tensor& loss) override;
 
  protected:
@@ -104,6 +105,8 @@ class HookedStep : public StepMode {
   /// Throws when a backward() has run and step() has not ended its iteration yet (changes
   /// nothing: the pending iteration can still be stepped).
   void refuse_second_backward() const;
+  /// Throws when another hooked mode that still exists hooks one of these parameters.
+  void refuse_shared_parameters() const;
   /// Device gradients: reads the finiteness flags gathered during backward (one host sync) and
   /// throws NonFiniteError naming the first non-finite gradient.
   void deferred_check();

@@ -341,6 +341,78 @@ TEST(StepModes, ASecondGradientWithinOneBackwardIsAnError) {
   }
 }
 
+// A fused or grouped mode neither folds in a gradient that existed before its backward() nor
+// runs beside another such mode over the same parameters (whose hooks would step them in this
+// pass); destroyed between backward() and step(), it takes the pending gradients with it.
+TEST(StepModes, HookedModesRefuseOlderGradientsAndSharedParameters) {
+  auto plugin = registry().load_file("sgd.so");
+  for (const char* mode_name : {"fused", "groups"}) {
+    SCOPED_TRACE(mode_name);
+    at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
+    at::Tensor u = at::ones({2}, at::kDouble).requires_grad_(true);
+    ParamGroup g;
+    g.params = {w, u};
+    g.names = {"w", "u"};
+    (w * 5).sum().backward();  // before the mode exists
+    auto mode = make_mode(mode_name, *plugin, g);
+    const at::Tensor before = w.detach().clone();
+    std::string m;
+    try {
+      mode->backward((w * 2).sum());
+    } catch (const Error& e) {
+      m = e.what();
+    }
+    EXPECT_EQ(m,
+              "parameter 'w' already has a gradient before this " + std::string(mode_name) +
+                  " mode's backward(), which would add it to this pass's and step the sum (the " +
+                  mode_name +
+                  " mode does not accumulate gradients); free it first (zero_grad()), and "
+                  "compute gradients only through the mode's backward()");
+    EXPECT_TRUE(at::equal(w.detach(), before));
+    w.mutable_grad().reset();
+
+    auto second = make_mode("fused", *plugin, g);  // made: allowed; its backward: refused
+    for (StepMode* mode_of : {mode.get(), second.get()}) {
+      m.clear();
+      try {
+        mode_of->backward((w * 2).sum());
+      } catch (const Error& e) {
+        m = e.what();
+      }
+      EXPECT_NE(m.find("parameter 'w' is also stepped by a "), std::string::npos) << m;
+      EXPECT_NE(m.find("mode that still exists"), std::string::npos) << m;
+      EXPECT_TRUE(at::equal(w.detach(), before)) << "nothing stepped";
+      EXPECT_FALSE(w.grad().defined());
+    }
+    second.reset();
+    mode->backward((w * 2).sum());
+    EXPECT_EQ(mode->step().params_stepped, 1);
+    EXPECT_TRUE(at::allclose(w.detach(), before - 2e-3)) << "sgd, lr 1e-3, gradient 2 alone";
+
+    // Destroyed between backward() and step(): no gradient stays behind (u gets none, so the
+    // groups mode's group of w and u is still pending).
+    auto pending = make_optimizer_groups(
+        {g}, 1, SplitPolicy::Count,
+        [&](std::vector<ParamGroup> x) { return plugin->create(x, plugin->validate({})); });
+    mode.reset();
+    pending->backward((w * 2).sum());
+    EXPECT_TRUE(w.grad().defined()) << "the group waits for u or step()";
+    pending.reset();
+    EXPECT_FALSE(w.grad().defined());
+  }
+}
+
+// The normal mode frees every gradient when the plugin's step() throws, as it does after a
+// non-finite gradient: a caller that goes on must not add the next gradients to these.
+TEST(StepModes, ANormalStepThatThrowsLeavesNoGradientBehind) {
+  auto plugin = registry().load_file("tp_step_throws.so");
+  TinyLm model;
+  auto mode = make_normal_step(plugin->create(model.groups(), plugin->validate({})));
+  mode->backward(model.loss(0));
+  EXPECT_THROW(mode->step(), Error);
+  for (const auto& p : model.params) EXPECT_FALSE(p.grad().defined());
+}
+
 // The modes check the capabilities of the plugin that made the optimizer, for programs of their
 // own too (the trainer refuses these before it builds anything): an auto-LR plugin in optimizer
 // groups would silently train differently from the normal mode, and fused stepping needs

@@ -73,6 +73,12 @@ TEST(TrainerPlanning, SaveModelMayGoIntoTheOutputFolderItMakes) {
       d.str());
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(fs::is_regular_file(d.file("new/run/model.pt")));
+  // A folder below the output folder is made too.
+  r = run_program(
+      kQuick + "--output-dir " + d.file("sm") + " --save-model " + d.file("sm/sub/deeper/model.pt"),
+      d.str());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::is_regular_file(d.file("sm/sub/deeper/model.pt")));
   r = run_program(
       kQuick + "--output-dir " + d.file("out") + " --save-model " + d.file("elsewhere/model.pt"),
       d.str());

@@ -655,6 +655,11 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   files.commit(summary);
   if (c.save_model && dist.leader()) {
     try {
+      // A folder below --output-dir may not exist yet (the planning checked it can be made).
+      const std::filesystem::path folder = std::filesystem::path(*c.save_model).parent_path();
+      std::error_code ec;
+      if (!folder.empty() && !std::filesystem::create_directories(folder, ec) && ec)
+        throw Error("cannot create the folder " + folder.string() + " (" + ec.message() + ")");
       model->save(*c.save_model);
     } catch (const std::exception& e) {
       throw TrainingFailed(failed_in + first_line(e.what()) +

@@ -17,11 +17,12 @@
 //   StepEqualsStepParam  supports_step_param: step() equals step_param() over all parameters
 //                        followed by finish_step(), bit for bit
 //   FusedEqualsNormal    supports_step_param: the fused backward pass equals the normal loop
-//   GroupsEqualNormal    supports_step_param: optimizer groups (N = 1, 2, 3, all; by size and by
-//                        count) equal one instance over the normal loop, bit for bit
+//   GroupsEqualNormal    not auto_lr (groups wrap every other plugin): optimizer groups (N = 1,
+//                        2, 3, all; by size and by count) equal one instance over the normal
+//                        loop, bit for bit
 //   StateRoundTrip       state_dict -> fresh instance -> load_state_dict -> continue equals an
 //                        uninterrupted run, bit for bit; keys are "<param>/..." or "@optimizer/..."
-//   StateAcrossRegroup   supports_step_param: a state saved by one instance loads into groups
+//   StateAcrossRegroup   not auto_lr: a state saved by one instance loads into groups
 //   Deterministic        two runs from the same start are bit-identical
 //   StochasticRoundingIsOrderFree
 //                        supports_step_param and a stochastic_rounding key: bf16 parameters
@@ -492,10 +493,11 @@ inline void check_fused_equals_normal(const Target& t) {
   detail::expect_identical(normal, fused, "fused backward pass");
 }
 
-/// supports_step_param: optimizer groups equal one instance over the normal loop, bit for bit.
+/// Not auto_lr (groups wrap every other plugin): optimizer groups equal one instance over the
+/// normal loop, bit for bit.
 inline void check_groups_equal_normal(const Target& t) {
   std::shared_ptr<LoadedPlugin> p = load(t);
-  if (!p->has(kSupportsStepParam)) GTEST_SKIP() << "no supports_step_param";
+  if (p->has(kAutoLr)) GTEST_SKIP() << "auto_lr: optimizer groups refuse it";
   HyperParams hp = detail::hyperparams(*p, t);
   detail::Model init, normal = init.clone();
   detail::train(*p, hp, normal, "normal", 0, detail::kSteps);
@@ -534,10 +536,10 @@ inline void check_state_round_trip(const Target& t) {
                            "resumed from state_dict after " + std::to_string(k) + " steps");
 }
 
-/// supports_step_param: a state saved by one instance loads, by name, into optimizer groups.
+/// Not auto_lr: a state saved by one instance loads, by name, into optimizer groups.
 inline void check_state_across_regroup(const Target& t) {
   std::shared_ptr<LoadedPlugin> p = load(t);
-  if (!p->has(kSupportsStepParam)) GTEST_SKIP() << "no supports_step_param";
+  if (p->has(kAutoLr)) GTEST_SKIP() << "auto_lr: optimizer groups refuse it";
   HyperParams hp = detail::hyperparams(*p, t);
   const int64_t k = detail::kSteps;
   detail::Model init, whole = init.clone(), resumed = init.clone();
