@@ -71,8 +71,8 @@ void check_permissions(const fs::path& path, bool allow_insecure) {
       // A sticky folder (like /tmp) still lets others replace only their own files.
       if (p != path && (st.st_mode & S_ISVTX)) continue;
       throw Error("refusing to load plugin " + path.string() + ": " + p.string() +
-                  " is writable by group or others (fix with chmod go-w, or pass "
-                  "--allow-insecure-plugins)");
+                  " is writable by group or others (fix with chmod go-w, or allow it: "
+                  "LoaderOptions::allow_insecure, the trainer's --allow-insecure-plugins)");
     }
   }
 }
@@ -374,7 +374,9 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_file(const std::string& spec)
   std::string dirs;
   for (const fs::path& d : search_path()) dirs += (dirs.empty() ? "" : ", ") + d.string();
   throw Error("plugin file " + spec + " not found in the plugin search path (" + dirs + ")" +
-              did_you_mean(spec, seen) + "; pass a path or add --plugin-dir");
+              did_you_mean(spec, seen) +
+              "; pass a path, or add its folder to the search path (LoaderOptions::plugin_dirs, "
+              "FUSEBOX_PLUGIN_PATH, the trainer's --plugin-dir)");
 }
 
 std::vector<std::shared_ptr<LoadedPlugin>> PluginRegistry::list(std::vector<BrokenPlugin>* broken) {
@@ -404,10 +406,10 @@ std::vector<std::shared_ptr<LoadedPlugin>> PluginRegistry::scan(
       }
       auto [it, inserted] = by_name.emplace(p->info().name, p);
       if (!inserted && it->second->info().path != p->info().path) {
-        const std::string error = "two plugins are named '" + p->info().name +
-                                  "': " + it->second->info().path.string() + " and " +
-                                  p->info().path.string() +
-                                  "; remove one or load it by path with --optimizer-plugin";
+        const std::string error =
+            "two plugins are named '" + p->info().name + "': " + it->second->info().path.string() +
+            " and " + p->info().path.string() +
+            "; remove one or load it by path (the trainer's --optimizer-plugin PATH)";
         clash.emplace(p->info().name, error);
         if (broken) broken->push_back({file, error});
       }
