@@ -238,6 +238,14 @@ TEST(StepModes, PluginExceptionInsideHookReachesCallerWithItsOwnMessage) {
   for (auto& p : model.params) EXPECT_FALSE(p.grad().defined());  // nothing left half-done
 }
 
+// One group of `params` named `names`.
+ParamGroup named_group(std::vector<at::Tensor> params, std::vector<std::string> names) {
+  ParamGroup g;
+  g.params = std::move(params);
+  g.names = std::move(names);
+  return g;
+}
+
 // `mode_name` (normal, fused, or groups: 2 by count) over `g`, with the plugin's defaults.
 std::unique_ptr<StepMode> make_mode(const std::string& mode_name, const LoadedPlugin& plugin,
                                     const ParamGroup& g, const StepOptions& o = {}) {
@@ -258,9 +266,7 @@ TEST(StepModes, GradientsOutsideTheModesBackwardOrTwiceBeforeStepAreErrors) {
   for (const char* mode_name : {"fused", "groups"}) {
     SCOPED_TRACE(mode_name);
     at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
-    ParamGroup g;
-    g.params = {w};
-    g.names = {"w"};
+    const ParamGroup g = named_group({w}, {"w"});
     auto mode = make_mode(mode_name, *plugin, g);
     mode->backward((w * 2).sum());
     std::string m;
@@ -311,9 +317,7 @@ TEST(StepModes, ASecondGradientWithinOneBackwardIsAnError) {
   for (const char* mode_name : {"fused", "groups"}) {
     SCOPED_TRACE(mode_name);
     at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
-    ParamGroup g;
-    g.params = {w};
-    g.names = {"w"};
+    const ParamGroup g = named_group({w}, {"w"});
     auto mode = make_mode(mode_name, *plugin, g);
     at::Tensor h = w * 2;
     // While the outer pass runs, a nested backward gives w its gradient first.
@@ -350,9 +354,7 @@ TEST(StepModes, HookedModesRefuseOlderGradientsAndSharedParameters) {
     SCOPED_TRACE(mode_name);
     at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
     at::Tensor u = at::ones({2}, at::kDouble).requires_grad_(true);
-    ParamGroup g;
-    g.params = {w, u};
-    g.names = {"w", "u"};
+    const ParamGroup g = named_group({w, u}, {"w", "u"});
     (w * 5).sum().backward();  // before the mode exists
     auto mode = make_mode(mode_name, *plugin, g);
     const at::Tensor before = w.detach().clone();

@@ -48,6 +48,7 @@ class FUSEBOX_VISIBLE Optimizer {
   /// Takes the groups and validated hyperparameters (a group's NaN lr becomes hyperparameter lr).
   Optimizer(std::vector<ParamGroup> groups, HyperParams hyperparams)
       : groups_(std::move(groups)), hp_(std::move(hyperparams)) {
+    std::unordered_map<std::string, Slot> by_name;
     for (size_t g = 0; g < groups_.size(); ++g) {
       ParamGroup& group = groups_[g];
       if (std::isnan(group.lr)) group.lr = hp_.is_set("lr") ? hp_.real("lr") : 0.0;
@@ -63,7 +64,7 @@ class FUSEBOX_VISIBLE Optimizer {
         if (!slots_.emplace(group.params[i].unsafeGetTensorImpl(), Slot{g, i}).second)
           throw Error("parameter '" + group.names[i] + "' appears twice in the optimizer");
         // State dicts are keyed by name: two parameters of one name would share (and lose) state.
-        const auto [it, fresh] = by_name_.emplace(group.names[i], Slot{g, i});
+        const auto [it, fresh] = by_name.emplace(group.names[i], Slot{g, i});
         if (!fresh)
           throw Error("parameter name '" + group.names[i] + "' is given to two parameters (group " +
                       std::to_string(it->second.group) + " #" + std::to_string(it->second.index) +
@@ -154,6 +155,10 @@ class FUSEBOX_VISIBLE Optimizer {
   /// is checked before anything changes: state saved for a parameter of another shape or float
   /// width (another model's state) or a bad step count throws Error naming the entry.
   void load_state_dict(const StateDict& dict) {
+    std::unordered_map<std::string, Slot> by_name;  // a local: the layout stays as plugins know it
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t i = 0; i < groups_[g].names.size(); ++i)
+        by_name.emplace(groups_[g].names[i], Slot{g, i});
     std::vector<std::pair<Slot, const StateDict::value_type*>> mine;
     std::map<std::string, double> globals;
     const std::string gp = "@optimizer/";
@@ -165,8 +170,8 @@ class FUSEBOX_VISIBLE Optimizer {
       }
       const size_t slash = key.rfind('/');  // state keys hold no '/'; parameter names may
       if (slash == std::string::npos) continue;
-      const auto owner = by_name_.find(key.substr(0, slash));
-      if (owner == by_name_.end()) continue;
+      const auto owner = by_name.find(key.substr(0, slash));
+      if (owner == by_name.end()) continue;
       const std::string sub = key.substr(slash + 1);
       const at::Tensor& param = groups_[owner->second.group].params[owner->second.index];
       if (sub == "@param") check_signature_(key, entry.second, param);
@@ -289,7 +294,6 @@ class FUSEBOX_VISIBLE Optimizer {
   HyperParams hp_;
   std::vector<std::vector<ParamState>> states_;
   std::unordered_map<const void*, Slot> slots_;
-  std::unordered_map<std::string, Slot> by_name_;
   std::map<std::string, double> globals_;
 };
 
