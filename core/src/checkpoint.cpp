@@ -360,7 +360,19 @@ void load_merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& 
       throw Error("checkpoint holds optimizer state for parameter '" + param +
                   "', which this model does not have: resume with the same model");
   }
-  for (const auto& opt : optimizers) opt->load_state_dict(state);
+  // Each optimizer checks the dict before it changes; when a later one refuses it, the ones
+  // already loaded get their own state back, so a failed load changes no optimizer.
+  std::vector<StateDict> before;
+  size_t loaded = 0;
+  try {
+    for (; loaded < optimizers.size(); ++loaded) {
+      before.push_back(optimizers[loaded]->state_dict());
+      optimizers[loaded]->load_state_dict(state);
+    }
+  } catch (...) {
+    for (size_t i = 0; i < loaded; ++i) optimizers[i]->load_state_dict(before[i]);
+    throw;
+  }
 }
 
 namespace {

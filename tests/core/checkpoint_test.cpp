@@ -252,6 +252,40 @@ TEST(Checkpoint, ResumingAnotherModelIsRefused) {
   EXPECT_NE(msg.find("parameter 'other.weight'"), std::string::npos) << msg;
 }
 
+// Optimizer groups load one dict group by group: when a later group refuses it, the groups
+// loaded before it get their own state back, so a failed resume changes no optimizer.
+TEST(Checkpoint, AStateDictOneGroupRefusesChangesNoGroup) {
+  TinyLm m;
+  auto adamw = plugin_named("adamw.so");
+  const ParamGroup all = m.groups()[0];
+  std::vector<std::shared_ptr<Optimizer>> opts;
+  for (size_t half = 0; half < 2; ++half) {
+    ParamGroup g;
+    for (size_t i = half; i < all.params.size(); i += 2) {
+      g.params.push_back(all.params[i]);
+      g.names.push_back(all.names[i]);
+    }
+    opts.push_back(adamw->create({g}, adamw->validate({})));
+  }
+  auto step_all = [&] {
+    for (auto& p : m.params) p.mutable_grad() = at::ones_like(p);
+    for (auto& o : opts) o->step();
+  };
+  step_all();
+  StateDict earlier = merged_optimizer_state(opts);
+  step_all();
+  const StateDict now = merged_optimizer_state(opts);
+  // A bad step count of a parameter of the second optimizer: the first one loads its part first.
+  earlier[all.names[1] + "/step"] = at::scalar_tensor(-1.0, at::kDouble);
+  const std::string msg = error_of([&] { load_merged_optimizer_state(opts, earlier); });
+  EXPECT_NE(msg.find("optimizer state '" + all.names[1] + "/step' is -1"), std::string::npos)
+      << msg;
+  const StateDict after = merged_optimizer_state(opts);
+  ASSERT_EQ(after.size(), now.size());
+  for (const auto& [key, value] : now)
+    EXPECT_TRUE(at::equal(after.at(key), value)) << key << " changed by a refused load";
+}
+
 // A float64 checkpoint into a float32 model (or back) would meet float64 optimizer state with
 // float32 parameters at the first step; bf16 <-> float32 is a storage change a resume may make.
 TEST(Checkpoint, ResumingAnotherFloatWidthIsRefusedButBFloat16IsNot) {

@@ -1,6 +1,8 @@
 // step() against step_param(), and state save/load against an uninterrupted run.
 #include "plugin_test_support.h"
 
+#include <tuple>
+
 namespace {
 
 // Parameters of several ranks (a 4-D one included) and a gradient sequence, all seeded.
@@ -272,6 +274,23 @@ TEST(StateDict, AnotherModelsOrACorruptDictIsRefusedBeforeAnythingChanges) {
     const std::string m = load_error(*opt, bad);
     EXPECT_EQ(m.rfind(message, 0), 0u) << m;
     EXPECT_TRUE(same_state(opt->state_dict(), before)) << "a refused load changed the state";
+  }
+  // Entries no state_dict() writes; they sort after g0.p0's and g0.p1's, which are taken first.
+  const std::vector<std::tuple<std::string, at::Tensor, std::string>> malformed = {
+      {"g0.p2/@future", at::ones({2}),
+       "optimizer state 'g0.p2/@future' is not a state entry this version writes (malformed key)"},
+      {"g0.p2/", at::ones({2}), "optimizer state 'g0.p2/' is not a state entry"},
+      {"g0.p2/exp_avg", at::Tensor(),
+       "optimizer state 'g0.p2/exp_avg' is not a state entry this version writes (no tensor)"},
+      {"g0.p2/@param", at::Tensor(), "optimizer state 'g0.p2/@param' holds no tensor"}};
+  for (const auto& [key, value, message] : malformed) {
+    fusebox::StateDict bad = saved;
+    bad[key] = value;
+    auto [opt, p] = target_with_state(fbt::leaf_copies(init));
+    const fusebox::StateDict before = opt->state_dict();
+    const std::string m = load_error(*opt, bad);
+    EXPECT_EQ(m.rfind(message, 0), 0u) << m;
+    EXPECT_TRUE(same_state(opt->state_dict(), before)) << key << ": a refused load changed state";
   }
   // A good load replaces all of it, global entries too.
   auto [opt, p] = target_with_state(fbt::leaf_copies(init));

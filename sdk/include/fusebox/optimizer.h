@@ -151,21 +151,23 @@ class FUSEBOX_VISIBLE Optimizer {
 
   /// Restores the entries of `dict` that belong to this optimizer's parameters (others are
   /// ignored, so a dict saved with other grouping loads group by group); a parameter without
-  /// entries starts afresh. State tensors are copied onto each parameter's device. The whole dict
-  /// is checked before anything changes: state saved for a parameter of another shape or float
-  /// width (another model's state) or a bad step count throws Error naming the entry.
+  /// entries starts afresh. State tensors are copied onto each parameter's device. State saved for
+  /// a parameter of another shape or float width (another model's state), a bad step count or a
+  /// malformed entry throws Error naming the entry, and the optimizer keeps the state it had.
   void load_state_dict(const StateDict& dict) {
     std::unordered_map<std::string, Slot> by_name;  // a local: the layout stays as plugins know it
     for (size_t g = 0; g < groups_.size(); ++g)
       for (size_t i = 0; i < groups_[g].names.size(); ++i)
         by_name.emplace(groups_[g].names[i], Slot{g, i});
-    std::vector<std::pair<Slot, const StateDict::value_type*>> mine;
+    // Built aside and swapped in at the end, so that a throw (a bad entry, or a copy that fails
+    // for lack of device memory) leaves the optimizer as it was.
+    std::vector<std::vector<ParamState>> states;
+    for (const auto& group : groups_) states.emplace_back(group.params.size());
     std::map<std::string, double> globals;
     const std::string gp = "@optimizer/";
-    for (const auto& entry : dict) {
-      const std::string& key = entry.first;
+    for (const auto& [key, value] : dict) {
       if (key.rfind(gp, 0) == 0) {
-        globals[key.substr(gp.size())] = scalar_value_(entry.second, key);
+        globals[key.substr(gp.size())] = scalar_value_(value, key);
         continue;
       }
       const size_t slash = key.rfind('/');  // state keys hold no '/'; parameter names may
@@ -174,20 +176,22 @@ class FUSEBOX_VISIBLE Optimizer {
       if (owner == by_name.end()) continue;
       const std::string sub = key.substr(slash + 1);
       const at::Tensor& param = groups_[owner->second.group].params[owner->second.index];
-      if (sub == "@param") check_signature_(key, entry.second, param);
-      if (sub == "step") step_count_(key, entry.second);
-      mine.emplace_back(owner->second, &entry);
+      ParamState& st = states[owner->second.group][owner->second.index];
+      if (sub == "step") {
+        st.step = step_count_(key, value);
+      } else if (sub == "@param") {
+        check_signature_(key, value, param);
+      } else if (sub.empty() || sub[0] == '@' || !value.defined()) {
+        // '@' keys are fusebox's own and only "@param" exists; a state dict never holds an
+        // empty key or an undefined tensor (state_dict() leaves those out).
+        throw Error("optimizer state '" + key + "' is not a state entry this version writes (" +
+                    (value.defined() ? "malformed key" : "no tensor") +
+                    "): a corrupt state dict, or one written by a newer fusebox");
+      } else {
+        st.tensors[sub] = copy_to_(value, param);
+      }
     }
-    for (auto& group : states_)
-      for (ParamState& st : group) st = ParamState();
-    for (const auto& [slot, entry] : mine) {
-      const std::string sub = entry->first.substr(entry->first.rfind('/') + 1);
-      ParamState& st = states_[slot.group][slot.index];
-      if (sub == "step")
-        st.step = step_count_(entry->first, entry->second);
-      else if (sub != "@param")
-        st.tensors[sub] = copy_to_(entry->second, groups_[slot.group].params[slot.index]);
-    }
+    states_ = std::move(states);
     globals_ = std::move(globals);
   }
 
@@ -254,6 +258,8 @@ class FUSEBOX_VISIBLE Optimizer {
   static void check_signature_(const std::string& key, const at::Tensor& sig,
                                const at::Tensor& param) {
     const std::string name = key.substr(0, key.size() - 7);  // less "/@param"
+    if (!sig.defined())
+      throw Error("optimizer state '" + key + "' holds no tensor (a corrupt state dict?)");
     const auto saved = sig.dim() > 0 ? sig.sizes().slice(0, sig.dim() - 1) : sig.sizes();
     if (sig.dim() == 0 || saved != param.sizes())
       throw Error("optimizer state of parameter '" + name + "' was saved for shape " +

@@ -53,7 +53,7 @@ StateDict owned_optimizer_state(const StateDict& merged, const std::vector<Param
                                 int rank, int world);
 
 /// Loads a merged dict into `optimizers` (any grouping); throws if it holds state for a parameter
-/// none of them owns.
+/// none of them owns or one of them refuses it, and then no optimizer has changed.
 void load_merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers,
                                  const StateDict& state);
 
