@@ -5,6 +5,7 @@
 #include <cmath>
 #include <iterator>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 #include "fusebox/core/loss_scaler.h"
@@ -19,10 +20,18 @@ namespace {
 // its gradient (the first one's hooks step it in the second one's backward pass before the first
 // one's refusal arrives), so a backward() is refused while another mode hooks its parameters;
 // making such a mode is allowed (to inspect it, or to destroy the first one later).
+// An entry keeps the mode's name, taken when it attached: another thread may be destroying that
+// mode (its derived part already gone), so the other modes never call into it.
+struct HookedBy {
+  const HookedStep* mode;
+  std::string mode_name;
+};
 std::mutex hooked_mutex;
-std::unordered_multimap<const void*, const HookedStep*>& hooked_params() {
-  static std::unordered_multimap<const void*, const HookedStep*> m;
-  return m;
+std::unordered_multimap<const void*, HookedBy>& hooked_params() {
+  // Never destroyed: a mode destroyed during exit, after this function's statics, still
+  // unregisters itself.
+  static auto* m = new std::unordered_multimap<const void*, HookedBy>;
+  return *m;
 }
 std::atomic<int64_t> hooked_twice{0};  // entries beyond the first per parameter: 0 skips the check
 
@@ -42,7 +51,7 @@ HookedStep::~HookedStep() {
     auto [first, last] = m.equal_range(p.unsafeGetTensorImpl());
     if (std::distance(first, last) > 1) --hooked_twice;
     for (auto it = first; it != last; ++it)
-      if (it->second == this) {
+      if (it->second.mode == this) {
         m.erase(it);
         break;
       }
@@ -59,15 +68,16 @@ void HookedStep::attach(const std::vector<at::Tensor>& params,
                   (params[i].requires_grad() ? "not a leaf tensor (it is computed from others)"
                                              : "frozen (requires_grad is false)") +
                   "; leave it out of the optimizer's groups");
+  params_ = params;  // before registering: the destructor unregisters what params_ holds
+  names_ = names;
   {
     const std::lock_guard<std::mutex> lock(hooked_mutex);
+    const std::string mode_name = name();
     for (const auto& p : params) {
       if (hooked_params().count(p.unsafeGetTensorImpl())) ++hooked_twice;
-      hooked_params().emplace(p.unsafeGetTensorImpl(), this);
+      hooked_params().emplace(p.unsafeGetTensorImpl(), HookedBy{this, mode_name});
     }
   }
-  params_ = params;
-  names_ = names;
   fired_.assign(params.size(), false);
   warned_.assign(params.size(), false);
   updated_.assign(params.size(), false);
@@ -190,8 +200,8 @@ void HookedStep::refuse_shared_parameters() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     auto [first, last] = hooked_params().equal_range(params_[i].unsafeGetTensorImpl());
     for (auto it = first; it != last; ++it)
-      if (it->second != this)
-        throw Error("parameter '" + names_[i] + "' is also stepped by a " + it->second->name() +
+      if (it->second.mode != this)
+        throw Error("parameter '" + names_[i] + "' is also stepped by a " + it->second.mode_name +
                     " mode that still exists, whose hooks would react to its gradient in this " +
                     name() + " mode's backward pass; destroy that mode first");
   }

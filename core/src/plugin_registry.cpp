@@ -231,6 +231,21 @@ std::shared_ptr<Optimizer> LoadedPlugin::create(std::vector<ParamGroup> groups,
   if (!made)
     throw Error("plugin '" + info_.name + "' (" + info_.path.string() +
                 ") returned no optimizer from its factory");
+  // The SDK's constructor refuses two parameters of one name; checked again on what the plugin
+  // made, since a plugin built with an older SDK header, or one renaming its parameters, skips it.
+  std::map<std::string, std::pair<size_t, size_t>> seen;
+  for (size_t g = 0; g < made->num_groups(); ++g)
+    for (size_t i = 0; i < made->group(g).names.size(); ++i) {
+      const auto [it, fresh] = seen.emplace(made->group(g).names[i], std::make_pair(g, i));
+      if (!fresh)
+        throw Error("plugin '" + info_.name + "' (" + info_.path.string() +
+                    ") failed to create its optimizer: parameter name '" + it->first +
+                    "' is given to two parameters (group " + std::to_string(it->second.first) +
+                    " #" + std::to_string(it->second.second) + " and group " + std::to_string(g) +
+                    " #" + std::to_string(i) +
+                    "): optimizer state and checkpoints are keyed by name, so each parameter "
+                    "needs its own");
+    }
   // The deleter holds the library: the object's code stays mapped until it is destroyed.
   std::shared_ptr<void> lib = library_;
   made_by().add(made.get(), info_);

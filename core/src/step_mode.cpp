@@ -193,6 +193,21 @@ class NormalStep final : public StepMode {
   }
 
   StepStats step() override {
+    try {
+      return step_and_free();
+    } catch (...) {
+      // Whatever threw (the plugin's step(), a warning callback, clipping out of memory), a
+      // caller that goes on must not add the next iteration's gradients to these.
+      for (auto& p : params_) p.mutable_grad().reset();
+      throw;
+    }
+  }
+
+  const std::vector<std::shared_ptr<Optimizer>>& optimizers() const override { return optimizers_; }
+  std::string name() const override { return "normal"; }
+
+ private:
+  StepStats step_and_free() {
     at::NoGradGuard no_grad;
     StepStats stats;
     Optimizer& opt = *optimizers_[0];
@@ -248,7 +263,6 @@ class NormalStep final : public StepMode {
           stats.skipped = true;
           return stats;
         }
-        opt.zero_grad(true);  // a caller that goes on must not add to these gradients
         throw NonFiniteError("non-finite gradient in parameter '" + names_[i] +
                              "'; no parameter was updated in this iteration" +
                              detail::scale_hint(options_));
@@ -271,10 +285,6 @@ class NormalStep final : public StepMode {
     return stats;
   }
 
-  const std::vector<std::shared_ptr<Optimizer>>& optimizers() const override { return optimizers_; }
-  std::string name() const override { return "normal"; }
-
- private:
   // Data parallel: parameter i's gradient is final for this backward pass.
   void arrived(size_t i) {
     if (error_) return;
@@ -293,12 +303,7 @@ class NormalStep final : public StepMode {
   // Steps (this rank's share of) the parameters, frees every gradient, shares the results.
   void update(Optimizer& opt) {
     sharding_.drop_foreign_grads(params_, 0, params_.size());
-    try {
-      opt.step();
-    } catch (...) {
-      opt.zero_grad(true);  // a caller that goes on must not add to these gradients
-      throw;
-    }
+    opt.step();
     opt.zero_grad(true);
     sharding_.broadcast(params_);
   }

@@ -244,6 +244,23 @@ TEST(PluginRegistry, TwoParametersOfOneNameAreRefused) {
   EXPECT_EQ(plugin->create({a, b}, plugin->validate({}))->num_groups(), 2u);
 }
 
+// The names are checked again on the optimizer the plugin made: one built with an older SDK
+// header, whose constructor did not check them, or one renaming its parameters is refused too.
+TEST(PluginRegistry, APluginThatGivesTwoParametersOneNameIsRefused) {
+  PluginRegistry reg(only({kTestPlugins}));
+  auto plugin = reg.load_file((kTestPlugins / "tp_renames_params.so").string());
+  fusebox::ParamGroup a;
+  a.params = {at::ones({2}).set_requires_grad(true), at::ones({3}).set_requires_grad(true)};
+  a.names = {"w", "b"};
+  EXPECT_NE(error_of([&] { plugin->create({a}, plugin->validate({})); })
+                .find("failed to create its optimizer: parameter name 'renamed' is given to two "
+                      "parameters (group 0 #0 and group 0 #1)"),
+            std::string::npos);
+  a.params.pop_back();
+  a.names.pop_back();
+  EXPECT_EQ(plugin->create({a}, plugin->validate({}))->group(0).names[0], "renamed");
+}
+
 // A plugin built with the other libstdc++ string ABI would crash in its first call (std::string
 // is laid out differently): it is refused from its ELF symbols before it is loaded.
 TEST(PluginRegistry, APluginOfTheOtherStringAbiIsRefusedBeforeItRuns) {

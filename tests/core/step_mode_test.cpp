@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "fusebox/core/loss_scaler.h"
@@ -412,6 +413,21 @@ TEST(StepModes, ANormalStepThatThrowsLeavesNoGradientBehind) {
   auto mode = make_normal_step(plugin->create(model.groups(), plugin->validate({})));
   mode->backward(model.loss(0));
   EXPECT_THROW(mode->step(), Error);
+  for (const auto& p : model.params) EXPECT_FALSE(p.grad().defined());
+  // The same when a warning callback throws (skipping a non-finite iteration warns first).
+  auto sgd = registry().load_file("sgd.so");
+  StepOptions o;
+  o.non_finite = NonFinitePolicy::Skip;
+  o.warn = [](const std::string& m) { throw Error("the caller's warning handler: " + m); };
+  auto skipping = make_normal_step(sgd->create(model.groups(), sgd->validate({})), o);
+  skipping->backward(model.loss(0) * std::numeric_limits<double>::infinity());
+  std::string m;
+  try {
+    skipping->step();
+  } catch (const Error& e) {
+    m = e.what();
+  }
+  EXPECT_EQ(m.rfind("the caller's warning handler: non-finite gradient in parameter", 0), 0u) << m;
   for (const auto& p : model.params) EXPECT_FALSE(p.grad().defined());
 }
 

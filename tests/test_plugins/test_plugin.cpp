@@ -18,6 +18,10 @@ class TestOptimizer final : public fusebox::Optimizer {
 #ifdef FAULT_FACTORY_THROWS
     throw fusebox::Error("test plugin: factory refuses to build");
 #endif
+#ifdef FAULT_RENAMES_PARAMS
+    // After the base's check, as an optimizer built with an older SDK header would get past it.
+    for (auto& group : Optimizer::groups()) group.names.assign(group.names.size(), "renamed");
+#endif
   }
 #ifdef FAULT_STEP_THROWS
   void step() override { throw fusebox::Error("test plugin: step exploded"); }
