@@ -9,6 +9,9 @@
 #   bash scripts/check-libtorch2.sh --cuda   against libtorch-cuda-dev 2.6 and nvcc 12.4 (Debian 13
 #                                            contrib/non-free): build with warnings as errors, then
 #                                            run every test on the CPU (no GPU needed)
+#   bash scripts/check-libtorch2.sh --std 20 the same in C++20 (FUSEBOX_CXX_STANDARD), as fusebox
+#                                            builds against LibTorch 2.12 and later; combines
+#                                            with --cuda
 #
 # The --cuda tree is about 11 GB. Debian's cuDNN package downloads cuDNN from NVIDIA when it is
 # configured, which fails where only Debian's mirror is reachable; LibTorch's CUDA headers and
@@ -24,12 +27,25 @@ cd "$(dirname "$0")/.."
 src=$PWD
 
 cuda=0
-if [ "${1:-}" = "--cuda" ]; then
-  cuda=1
-elif [ $# -gt 0 ]; then
-  echo "check-libtorch2: unknown argument '$1' (use --cuda or nothing)" >&2
-  exit 2
-fi
+std=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cuda) cuda=1 ;;
+    --std)
+      if [[ ! "${2:-}" =~ ^(17|20|23)$ ]]; then
+        echo "check-libtorch2: --std needs 17, 20 or 23 (got '${2:-}')" >&2
+        exit 2
+      fi
+      std=$2
+      shift
+      ;;
+    *)
+      echo "check-libtorch2: unknown argument '$1' (use --cuda, --std N or nothing)" >&2
+      exit 2
+      ;;
+  esac
+  shift
+done
 if [ "$(id -u)" -ne 0 ]; then
   echo "check-libtorch2: needs root (mmdebstrap, chroot and mounts); run it with sudo" >&2
   exit 2
@@ -72,6 +88,12 @@ if [ ! -f "$root/.fusebox-ready" ]; then
 fi
 
 cmake_args="-DCMAKE_BUILD_TYPE=Release -DCMAKE_COMPILE_WARNING_AS_ERROR=ON"
+build=/root/build
+if [ -n "$std" ]; then
+  # A build folder of its own, so the default build stays warm.
+  cmake_args="$cmake_args -DFUSEBOX_CXX_STANDARD=$std"
+  build=/root/build-cxx$std
+fi
 tests="OMP_WAIT_POLICY=passive ctest --output-on-failure -j $(nproc) --timeout 900"
 # Debian 13's oneDNN (3.7) computes non-finite convolution gradients on AMD EPYC processors with
 # its AVX-512 and its AVX2 kernels, in float32 too, depending on the shapes and thread count (the
@@ -89,13 +111,13 @@ if [ $cuda -eq 1 ]; then
   # scripts/cudnn-stand-in.sh makes the stand-in (see above) inside the tree.
   tests="bash /src/scripts/cudnn-stand-in.sh /root/cudnn-stub && LD_LIBRARY_PATH=/root/cudnn-stub $tests"
 fi
-# What runs inside the tree; the build lives there too (/root/build), not in the source tree.
+# What runs inside the tree; the build lives there too ($build), not in the source tree.
 cat >"$root/fusebox-check.sh" <<INNER
 set -euo pipefail
 export CCACHE_BASEDIR=/src
-cmake -S /src -B /root/build -G Ninja $cmake_args | grep -E '^-- fusebox:' || true
-cmake --build /root/build -j $(nproc)
-cd /root/build
+cmake -S /src -B $build -G Ninja $cmake_args | grep -E '^-- fusebox:' || true
+cmake --build $build -j $(nproc)
+cd $build
 $tests
 INNER
 mkdir -p "$root/src" "$root/proc" "$root/dev"
