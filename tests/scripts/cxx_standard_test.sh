@@ -4,14 +4,7 @@
 # configuration with a message naming FUSEBOX_CXX_STANDARD.
 set -uo pipefail
 module=$(cd "$(dirname "$0")/../.." && pwd)/cmake/FuseboxCxxStandard.cmake
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-failures=0
-check() {  # check NAME CONDITION...
-  local name=$1
-  shift
-  if "$@"; then echo "ok   $name"; else echo "FAIL $name"; failures=$((failures + 1)); fi
-}
+source "$(dirname "$0")/checks.sh"
 
 # include_tree NAME GUARD: an include folder whose ATen/ATen.h carries LibTorch's guard
 # (GUARD empty: an ATen.h without one).
@@ -75,5 +68,4 @@ check "C++14 is refused" refused "FUSEBOX_CXX_STANDARD=14: use 17, 20 or 23" 14 
 check "a non-number is refused" refused "FUSEBOX_CXX_STANDARD=c++20: use 17, 20 or 23" \
   c++20 1.13.0 "$work/old"
 
-echo "$failures failure(s)"
-[ "$failures" -eq 0 ]
+finish

@@ -3,14 +3,7 @@
 # and tar where there is no dpkg), and every bad input is one line and a non-zero exit.
 set -uo pipefail
 script=$(cd "$(dirname "$0")/../.." && pwd)/bench/gpu_deps.sh
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-failures=0
-check() {  # check NAME CONDITION...
-  local name=$1
-  shift
-  if "$@"; then echo "ok   $name"; else echo "FAIL $name"; failures=$((failures + 1)); fi
-}
+source "$(dirname "$0")/checks.sh"
 
 # make_deb NAME PACKAGE-FOLDER-NAME...: a .deb holding a CMake package file for each name.
 make_deb() {
@@ -79,5 +72,4 @@ check "never unpacks into /" \
   one_line_error "refusing to unpack into /" bash "$script" unpack "$work/debs" /
 check "an unknown verb shows the usage" one_line_error "usage:" bash "$script" install
 
-[ $failures -eq 0 ] || { echo "$failures check(s) failed"; exit 1; }
-echo "all checks passed"
+finish
