@@ -88,7 +88,8 @@ std::string run_output_dir(const std::string& dir, const std::string& name) {
 
 // Refuses a folder that cannot be created or written before anything trains: its path, or a
 // folder above it, is a file, or the folder (else the nearest one above it that exists) is not
-// writable by this process (permissions, a read-only file system). `what` names the option.
+// writable by this process (permissions, a read-only file system, a file system that takes no new
+// entries). `what` names the option.
 void check_writable_folder(const std::string& dir, const std::string& what) {
   if (dir.empty()) return;
   for (fs::path p = fs::absolute(dir); !p.empty(); p = p.parent_path()) {
@@ -106,6 +107,13 @@ void check_writable_folder(const std::string& dir, const std::string& what) {
     if (::faccessat(AT_FDCWD, p.c_str(), W_OK | X_OK, AT_EACCESS) != 0)
       throw Error(what + ": cannot write in " + p.string() + " (" + std::strerror(errno) +
                   "); choose a folder this user can write");
+    // Permission bits do not tell everything: /proc, /sys and some network or FUSE file systems
+    // refuse new entries even to root. Making (and removing) a folder there does tell.
+    std::string probe = (p / ".fusebox-write-check-XXXXXX").string();
+    if (::mkdtemp(probe.data()) == nullptr)
+      throw Error(what + ": cannot create files in " + p.string() + " (" + std::strerror(errno) +
+                  "); choose a folder this user can write");
+    ::rmdir(probe.c_str());
     break;
   }
 }
