@@ -1,4 +1,5 @@
-# fusebox_cxx_standard(OUT_VAR REQUESTED std VERSION torch_version INCLUDE_DIRS dir...)
+# fusebox_cxx_standard(OUT_VAR REQUESTED std [CMAKE_REQUESTED std] VERSION torch_version
+#                      INCLUDE_DIRS dir...)
 # The C++ standard fusebox compiles in against the LibTorch that find_package(Torch) found.
 #
 # fusebox's own code is C++17 and compiles as C++20 too. C++17 is the default; a LibTorch whose
@@ -7,9 +8,18 @@
 # ATen/ATen.h) and use C++20 syntax. So the guard in ATen/ATen.h decides, and LibTorch 2.12 or
 # later, which PyTorch builds and compiles extensions with as C++20, gets C++20 whatever its guard
 # says. REQUESTED (FUSEBOX_CXX_STANDARD; empty: choose) names a standard outright; one below what
-# LibTorch needs stops the configuration with a message saying what to set.
+# LibTorch needs stops the configuration with a message saying what to set. CMAKE_REQUESTED is a
+# CMAKE_CXX_STANDARD given on the command line (or in the cache), the usual CMake way to ask: it
+# counts as a request when FUSEBOX_CXX_STANDARD is empty, and is checked the same way.
 function(fusebox_cxx_standard out_var)
-  cmake_parse_arguments(ARG "" "REQUESTED;VERSION" "INCLUDE_DIRS" ${ARGN})
+  cmake_parse_arguments(ARG "" "REQUESTED;CMAKE_REQUESTED;VERSION" "INCLUDE_DIRS" ${ARGN})
+  set(asked_by FUSEBOX_CXX_STANDARD)
+  set(or_not "or leave it empty")
+  if("${ARG_REQUESTED}" STREQUAL "" AND NOT "${ARG_CMAKE_REQUESTED}" STREQUAL "")
+    set(ARG_REQUESTED "${ARG_CMAKE_REQUESTED}")
+    set(asked_by CMAKE_CXX_STANDARD)
+    set(or_not "or leave it out")
+  endif()
   set(needed 17)
   set(reason "fusebox's baseline")
   foreach(dir IN LISTS ARG_INCLUDE_DIRS)
@@ -35,12 +45,12 @@ function(fusebox_cxx_standard out_var)
     return()
   endif()
   if(NOT ARG_REQUESTED MATCHES "^(17|20|23)$")
-    message(FATAL_ERROR "FUSEBOX_CXX_STANDARD=${ARG_REQUESTED}: use 17, 20 or 23, or leave it "
-      "empty to choose from LibTorch")
+    message(FATAL_ERROR "${asked_by}=${ARG_REQUESTED}: use 17, 20 or 23, ${or_not} "
+      "to choose from LibTorch")
   endif()
   if(ARG_REQUESTED LESS needed)
-    message(FATAL_ERROR "FUSEBOX_CXX_STANDARD=${ARG_REQUESTED}: LibTorch ${ARG_VERSION} needs "
-      "C++${needed} (${reason}); set -DFUSEBOX_CXX_STANDARD=${needed} or leave it empty")
+    message(FATAL_ERROR "${asked_by}=${ARG_REQUESTED}: LibTorch ${ARG_VERSION} needs "
+      "C++${needed} (${reason}); set -D${asked_by}=${needed} ${or_not}")
   endif()
   set(${out_var} ${ARG_REQUESTED} PARENT_SCOPE)
 endfunction()

@@ -24,12 +24,14 @@ include_tree unguarded ""
 mkdir -p "$work/empty"
 
 # choose REQUESTED VERSION DIR...: prints the chosen standard, or the error, and exits like cmake.
+# CMAKE_STD in the environment stands for a -DCMAKE_CXX_STANDARD on the command line.
 choose() {
   local requested=$1 version=$2
   shift 2
   cat >"$work/driver.cmake" <<CMAKE
 include("$module")
-fusebox_cxx_standard(std REQUESTED "$requested" VERSION "$version" INCLUDE_DIRS $*)
+fusebox_cxx_standard(std REQUESTED "$requested" CMAKE_REQUESTED "${CMAKE_STD:-}"
+  VERSION "$version" INCLUDE_DIRS $*)
 message(STATUS "std=\${std}")
 CMAKE
   cmake -P "$work/driver.cmake" 2>&1
@@ -67,5 +69,15 @@ check "C++17 requested for LibTorch 2.12 is refused" \
 check "C++14 is refused" refused "FUSEBOX_CXX_STANDARD=14: use 17, 20 or 23" 14 1.13.0 "$work/old"
 check "a non-number is refused" refused "FUSEBOX_CXX_STANDARD=c++20: use 17, 20 or 23" \
   c++20 1.13.0 "$work/old"
+# The CMake way of asking, -DCMAKE_CXX_STANDARD=NN, is a request too, checked the same way.
+CMAKE_STD=20 check "CMAKE_CXX_STANDARD=20 asks for C++20 over a C++17 LibTorch" \
+  chosen 20 "" 2.6.0 "$work/cxx17"
+CMAKE_STD=17 check "CMAKE_CXX_STANDARD=17 for a C++20 LibTorch is refused, naming it" \
+  refused "set -DCMAKE_CXX_STANDARD=20 or leave it out" \
+  "" 2.14.0 "$work/cxx20"
+CMAKE_STD=14 check "CMAKE_CXX_STANDARD=14 is refused" \
+  refused "CMAKE_CXX_STANDARD=14: use 17, 20 or 23" "" 1.13.0 "$work/old"
+CMAKE_STD=20 check "FUSEBOX_CXX_STANDARD wins over CMAKE_CXX_STANDARD" \
+  chosen 17 17 1.13.0 "$work/old"
 
 finish
