@@ -160,6 +160,9 @@ part "configure" 120 cmake -S . -B "$BUILD" -G "$GENERATOR" -DCMAKE_BUILD_TYPE=R
   -DCMAKE_PREFIX_PATH="$PREFIX" -DFUSEBOX_CUDA=ON -DTORCH_CUDA_ARCH_LIST="$ARCH_LIST" \
   -DFUSEBOX_DISTRIBUTED="${FUSEBOX_GPU_DISTRIBUTED:-OFF}" -DFUSEBOX_BUILD_BENCH=ON ||
   fail "configure (see gpu_check.log; FUSEBOX_CUDA=ON stops there when LibTorch has no CUDA)"
+cache_value() { sed -n "s/^$1:[A-Z]*=//p" "$BUILD/CMakeCache.txt"; }
+CXX_USED=$(cache_value CMAKE_CXX_COMPILER)
+note "configured: C++$(cache_value FUSEBOX_CXX_STANDARD_IN_USE), $CXX_USED ($("$CXX_USED" --version | head -n 1))"
 part "build" "${FUSEBOX_GPU_BUILD_S:-300}" cmake --build "$BUILD" -j "$(nproc)" \
   --target plugin_tests core_tests trainer memory_bench ||
   fail "build (see gpu_check.log)"

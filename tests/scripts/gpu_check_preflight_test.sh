@@ -57,6 +57,17 @@ fake_torch "$work/oldabi" '"12.4"' True False
 expect old-abi "this PyTorch uses the old C++ ABI" PYTHONPATH="$work/oldabi"
 fake_torch "$work/ok" '"13.0"' True True
 expect no-nvcc "nvcc not found" PYTHONPATH="$work/ok" CUDACXX="$work/no-nvcc"
+# A LibTorch without CUDA gets as far as the configuration, which FUSEBOX_CUDA=ON stops there.
+nvcc=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+torch_cmake=$(ls -d /usr/lib/*/cmake/Torch 2>/dev/null | head -n 1)
+if [ -x "$nvcc" ] && [ -n "$torch_cmake" ]; then
+  fake_torch "$work/cpulib" '"13.0"' True True
+  sed -i "s|/nonexistent|$(dirname "$torch_cmake")|" "$work/cpulib/torch/__init__.py"
+  expect cpu-libtorch "configure (see gpu_check.log; FUSEBOX_CUDA=ON stops there" \
+    PYTHONPATH="$work/cpulib" CUDACXX="$nvcc" FUSEBOX_GPU_BUILD="$work/build" FUSEBOX_GPU_DEPS="$work/none"
+else
+  echo "skip cpu-libtorch (needs nvcc and Debian's LibTorch)"
+fi
 # Usage: no output folder.
 if bash "$script" >/dev/null 2>&1; then
   echo "FAIL no-outdir: exit 0"
