@@ -1,5 +1,6 @@
 #include "fusebox/core/plugin_registry.h"
 
+#include <dlfcn.h>
 #include <elf.h>
 #include <sys/stat.h>
 #include <torch/version.h>
@@ -77,6 +78,42 @@ void check_permissions(const fs::path& path, bool allow_insecure) {
   }
 }
 
+// Refuses a file cut short (an interrupted copy or download) whose headers promise more than it
+// holds: the dynamic loader maps such a file and dies of SIGBUS when it touches the missing pages,
+// taking the whole program with it, where a clear error was due.
+void check_elf_extent(const fs::path& path, std::ifstream& in) {
+  std::error_code ec;
+  const uint64_t file_size = fs::file_size(path, ec);
+  if (ec) return;
+  const auto truncated = [&](const std::string& what, uint64_t needs) {
+    return Error("plugin " + path.string() + " is truncated: its " + what + " needs " +
+                 std::to_string(needs) + " bytes but the file has " + std::to_string(file_size) +
+                 " (an interrupted copy?); copy or rebuild it again");
+  };
+  Elf64_Ehdr eh{};
+  in.clear();
+  in.seekg(0);
+  if (!in.read(reinterpret_cast<char*>(&eh), sizeof eh)) throw truncated("ELF header", sizeof eh);
+  if (eh.e_ident[EI_DATA] != ELFDATA2LSB) return;  // only this host's byte order is read here
+  if (eh.e_phentsize != sizeof(Elf64_Phdr) || eh.e_phnum == 0 || eh.e_phnum == PN_XNUM)
+    throw Error("plugin " + path.string() +
+                " has no usable program headers: it is not a loadable shared library; "
+                "rebuild it with the fusebox SDK");
+  const uint64_t table_end = eh.e_phoff + uint64_t{eh.e_phnum} * sizeof(Elf64_Phdr);
+  if (eh.e_phoff > file_size || table_end > file_size)
+    throw truncated("program header table", table_end);
+  std::vector<Elf64_Phdr> segments(eh.e_phnum);
+  in.seekg(static_cast<std::streamoff>(eh.e_phoff));
+  if (!in.read(reinterpret_cast<char*>(segments.data()),
+               static_cast<std::streamsize>(segments.size() * sizeof(Elf64_Phdr))))
+    throw truncated("program header table", table_end);
+  for (const Elf64_Phdr& seg : segments) {
+    if (seg.p_type != PT_LOAD && seg.p_type != PT_DYNAMIC) continue;
+    const uint64_t end = seg.p_offset + seg.p_filesz;
+    if (end < seg.p_offset || end > file_size) throw truncated("loadable segment", end);
+  }
+}
+
 // Checks the ELF header ourselves: the loader's messages for non-ELF files are cryptic.
 void check_elf(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -95,6 +132,7 @@ void check_elf(const fs::path& path) {
     throw Error("plugin " + path.string() + " is built for another architecture (ELF machine " +
                 std::to_string(machine) + ", this host is " + std::to_string(kHostMachine) +
                 "); rebuild it on this machine");
+  check_elf_extent(path, in);
 }
 
 // The libstdc++ string ABI of a plugin's dynamic symbols: 1 (C++11, std::__cxx11), 0 (the old
@@ -305,8 +343,13 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
   auto library = std::make_shared<boost::dll::shared_library>();
   try {
     // rtld_now: a missing symbol fails here, with the dynamic loader's text, not mid-training.
-    library->load(canonical.string(),
-                  boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
+    // RTLD_NODELETE: a plugin, once loaded, stays mapped until the program ends (as LLVM's pass
+    // plugins do). Its code outlives every handle: an exception it threw, whose destructor and
+    // vtable live in the plugin, may be still in flight when the last optimizer and registry
+    // holding the library are destroyed during unwinding.
+    library->load(canonical.string(), boost::dll::load_mode::rtld_now |
+                                          boost::dll::load_mode::rtld_local |
+                                          static_cast<boost::dll::load_mode::type>(RTLD_NODELETE));
   } catch (const std::exception& e) {
     // Boost appends the errno left behind by dlopen ("...: Bad file descriptor"), which means
     // nothing here: the loader's own text is what says why.

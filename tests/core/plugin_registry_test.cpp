@@ -338,3 +338,57 @@ TEST(PluginRegistry, ProgramsElsewhereFindThePluginsBesideTheCoreLibrary) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
   EXPECT_NE(out.find("[  PASSED  ] 1 test."), std::string::npos) << out;  // the copy ran it
 }
+
+// A plugin file cut short (an interrupted copy) is refused from its headers: the dynamic loader
+// would map it and die of SIGBUS on the missing pages, taking the program, or a --list-plugins
+// scan of its folder, with it.
+TEST(PluginRegistry, ATruncatedPluginIsRefusedBeforeTheLoaderMapsIt) {
+  fs::path dir = temp_dir("truncated");
+  {
+    std::ifstream in(kPlugins / "sgd.so", std::ios::binary);
+    std::string head(5000, '\0');
+    in.read(head.data(), static_cast<std::streamsize>(head.size()));
+    std::ofstream(dir / "cut.so", std::ios::binary) << head;
+  }
+  PluginRegistry reg(only({dir}));
+  std::string msg = error_of([&] { reg.load_file("cut.so"); });
+  EXPECT_NE(msg.find("cut.so is truncated"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("the file has 5000"), std::string::npos) << msg;
+
+  fs::copy_file(kPlugins / "sgd.so", dir / "sgd.so");
+  std::vector<fusebox::BrokenPlugin> broken;
+  auto plugins = reg.list(&broken);
+  ASSERT_EQ(plugins.size(), 1u);
+  EXPECT_EQ(plugins[0]->info().name, "sgd");
+  ASSERT_EQ(broken.size(), 1u);
+  EXPECT_EQ(broken[0].path.filename(), "cut.so");
+}
+
+// An exception thrown inside a plugin is an object whose destructor and vtable are the plugin's
+// code. Caught after the optimizer and registry holding the library are gone (destroyed while
+// it unwound), it must still be readable and destructible: plugins are never unmapped.
+TEST(PluginRegistry, AnExceptionFromAPluginOutlivesEveryHandleOnIt) {
+  std::vector<at::Tensor> params;
+  std::string caught;
+  try {
+    std::shared_ptr<fusebox::Optimizer> opt;
+    {
+      PluginRegistry reg(only({kPlugins}));
+      auto plugin = reg.load_file("dadaptation.so");
+      params = {at::ones({2}).requires_grad_(), at::ones({2}).requires_grad_()};
+      fusebox::ParamGroup a, b;
+      a.params = {params[0]};
+      a.names = {"a"};
+      a.lr = 1.0;
+      b.params = {params[1]};
+      b.names = {"b"};
+      b.lr = 0.5;  // D-Adaptation refuses groups of different lr in its step
+      opt = plugin->create({a, b}, plugin->validate({}));
+    }
+    for (auto& p : params) p.mutable_grad() = at::ones({2});
+    opt->step();
+  } catch (const std::exception& e) {
+    caught = e.what();
+  }
+  EXPECT_NE(caught.find("lr"), std::string::npos) << caught;
+}
