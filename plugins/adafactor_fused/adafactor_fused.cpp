@@ -33,6 +33,13 @@ class Adafactor final : public fusebox::Optimizer {
       if (!h.is_set("lr") && !h.flag("relative_step")) return "relative_step=false needs an lr";
       return "";
     });
+    // eps2 = 0 only lets a zero parameter stay put; eps1 = 0 divides by a zero row or column
+    // of squared gradients, and one such row turns the whole update into NaN.
+    s.rule("eps", [](const fusebox::HyperParams& h) -> std::string {
+      if (h.real_pair("eps").first <= 0)
+        return "eps1 (the first of eps) must be above 0: a zero gradient row would make NaN";
+      return "";
+    });
     s.rule("warmup_init,relative_step", [](const fusebox::HyperParams& h) -> std::string {
       if (h.flag("warmup_init") && !h.flag("relative_step"))
         return "warmup_init=true needs relative_step=true";

@@ -9,7 +9,8 @@ class Came final : public fusebox::Optimizer {
  public:
   static void declare_schema(fusebox::Schema& s) {
     s.real("lr", std::monostate{}, "learning rate (required)").above(0).allow_none();
-    s.real_pair("eps", {1e-30, 1e-16}, "(added to g², added to the instability)").at_least(0);
+    // Both are divided by (through rsqrt): at 0, a zero gradient or a zero instability is NaN.
+    s.real_pair("eps", {1e-30, 1e-16}, "(added to g², added to the instability)").above(0);
     s.real("clip_threshold", 1.0, "update RMS above this is scaled down to it").above(0);
     s.real_pair("betas", {0.9, 0.999}, "(first moment, second moment) decay").at_least(0).below(1);
     s.real("beta3", 0.9999, "decay of the instability statistics").at_least(0).below(1);

@@ -43,6 +43,7 @@ TEST(Schema, RejectsInvalidValuesWithOneLine) {
       {"adafactor_fused.so", {{"beta1", "1.0"}}, "beta1"},
       {"adafactor_fused.so", {{"decay_rate", "0.5"}}, "decay_rate"},
       {"adafactor_fused.so", {{"eps", "(-1,1e-3)"}}, "eps"},
+      {"adafactor_fused.so", {{"eps", "(0,1e-3)"}}, "eps1"},  // NaN at a zero gradient row
       {"adafactor_fused.so", {{"lr", "0.01"}}, "relative_step"},
       {"adafactor_fused.so", {{"relative_step", "false"}}, "relative_step"},
       {"adafactor_fused.so",
@@ -63,6 +64,8 @@ TEST(Schema, RejectsInvalidValuesWithOneLine) {
       {"came.so", {}, "lr"},
       {"came.so", {{"lr", "0.01"}, {"beta3", "1"}}, "beta3"},
       {"came.so", {{"lr", "0.01"}, {"clip_threshold", "-1"}}, "clip_threshold"},
+      {"came.so", {{"lr", "0.01"}, {"eps", "(0,1e-16)"}}, "eps"},
+      {"came.so", {{"lr", "0.01"}, {"eps", "(1e-30,0)"}}, "eps"},
       // SGD.
       {"sgd.so", {{"nesterov", "true"}}, "nesterov"},
       {"sgd.so", {{"momentum", "1"}}, "momentum"},
@@ -98,7 +101,7 @@ TEST(Schema, AcceptsTheValidNeighboursOfTheRules) {
   const std::pair<const char*, fbt::Args> ok[] = {
       {"adafactor_fused.so", {{"lr", "0.01"}, {"relative_step", "false"}}},
       {"adafactor_fused.so", {{"warmup_init", "true"}}},
-      {"adafactor_fused.so", {{"beta1", "0"}, {"eps", "(0,0)"}}},
+      {"adafactor_fused.so", {{"beta1", "0"}, {"eps", "(1e-30,0)"}}},
       {"came.so", {{"lr", "1e-4"}}},
       {"sgd.so", {{"nesterov", "true"}, {"momentum", "0.9"}}},
       {"prodigy.so", {{"slice_p", "11"}, {"beta3", "none"}}},
