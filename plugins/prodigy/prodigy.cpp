@@ -52,13 +52,23 @@ class Prodigy final : public fusebox::Optimizer {
   /// correction); before any step, the first step's d0 * lr.
   double effective_lr(size_t g) const override {
     if (lr(g) == 0) return 0.0;
-    return applied_dlr_ >= 0 ? applied_dlr_ : globals().at("d") * lr(g);
+    // A global, so that it is saved: right after a resume it still names the last step's.
+    const auto applied = globals().find("applied_dlr");
+    if (applied != globals().end() && applied->second >= 0) return applied->second;
+    const auto d = globals().find("d");
+    return d == globals().end() ? 0.0 : d->second * lr(g);
   }
 
   void step() override {
     at::NoGradGuard no_grad;
     double& d = globals()["d"];
     double& k = globals()["k"];
+    // Loaded state is checked here, where it is first used (a cast of a bad k is undefined).
+    if (!(d > 0) || !(k >= 0 && k <= 9e15 && k == std::floor(k)))
+      throw fusebox::Error("prodigy: its state holds d = " + std::to_string(d) +
+                           " and k = " + std::to_string(k) +
+                           " (d is above 0, k a whole step count): a corrupt "
+                           "or foreign state dict; load one this plugin saved");
     const double lr = fusebox::shared_lr(*this, "prodigy");
     const int64_t step = static_cast<int64_t>(k) + 1;
     const double bc = fusebox::adam_bias_factor(bias_correction_, beta1_, beta2_, step);
@@ -104,7 +114,8 @@ class Prodigy final : public fusebox::Optimizer {
     globals()["d_hat"] = d_hat;
     globals()["d_numerator"] = numerator;
 
-    applied_dlr_ = dlr;  // what this step applies (the early returns above apply nothing)
+    // What this step applies (the early returns above apply nothing).
+    globals()["applied_dlr"] = dlr;
     // Pass 2: the Adam step with the new d in the denominator and the old dlr as step size.
     for (size_t gi = 0; gi < num_groups(); ++gi)
       for (size_t i = 0; i < group(gi).params.size(); ++i) {
@@ -112,6 +123,9 @@ class Prodigy final : public fusebox::Optimizer {
         if (!param.grad().defined()) continue;
         fusebox::ParamState& st = state(gi, i);
         ++st.step;
+        // A group at lr 0 is frozen: its moments were never fed (pass 1), and the shared dlr
+        // would still move it (β1 = 0 divides its gradient by d·eps) or decay it.
+        if (this->lr(gi) == 0) continue;
         at::Tensor p = fusebox::fp32_view(param);
         at::Tensor denom = st["exp_avg_sq"].sqrt().add_(d * eps_);
         if (beta1_ == 0) {
@@ -129,7 +143,6 @@ class Prodigy final : public fusebox::Optimizer {
   }
 
  private:
-  double applied_dlr_ = -1;  // the last update's d * lr * bias correction (-1: none yet)
   // The gradient in p's dtype, with coupled (L2) weight decay when asked.
   at::Tensor grad_of(const at::Tensor& param, const at::Tensor& p) const {
     at::Tensor g = param.grad().to(p.scalar_type());

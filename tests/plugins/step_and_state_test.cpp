@@ -75,10 +75,13 @@ TEST(StateDict, SaveLoadContinuesBitForBit) {
       }
       fusebox::StateDict saved;
       for (const auto& [k, v] : opt_first->state_dict()) saved[k] = v.clone();
+      const double effective_lr = opt_first->effective_lr(0);
       opt_first.reset();
       auto resumed = fbt::leaf_copies(first);
       auto opt_resumed = fbt::make(file, resumed, args);
       opt_resumed->load_state_dict(saved);
+      // What the log shows right after a resume is the last step's, not a fresh estimate.
+      EXPECT_EQ(opt_resumed->effective_lr(0), effective_lr);
       for (int s = kBefore; s < kBefore + kAfter; ++s) {
         fbt::set_grads(resumed, grads[s]);
         opt_resumed->step();
@@ -157,6 +160,68 @@ TEST(AutoLr, RejectsGroupsWithDifferentLearningRates) {
     fbt::set_grads(g1.params, {at::ones({3})});
     fbt::set_grads(g2.params, {at::ones({3})});
     EXPECT_THROW(opt->step(), fusebox::Error) << file;
+  }
+}
+
+// lr 0 freezes a group (auto-LR plugins allow it beside the shared lr): its parameters stay
+// exactly where they are, with or without a first moment and with decoupled weight decay, while
+// the other group trains.
+TEST(AutoLr, AGroupAtLrZeroStaysPut) {
+  const std::pair<const char*, fbt::Args> cases[] = {
+      {"prodigy.so", {}},
+      {"prodigy.so", {{"betas", "(0,0.999)"}}},  // divided its gradient by d·eps
+      {"prodigy.so", {{"weight_decay", "0.1"}}},
+      {"dadaptation.so", {{"weight_decay", "0.1"}, {"decouple", "true"}}},
+  };
+  for (const auto& [file, args] : cases) {
+    SCOPED_TRACE(fbt::label(file, args));
+    auto plugin = fbt::plugin(file);
+    fusebox::ParamGroup live, frozen;
+    live.params = fbt::leaf_copies({at::ones({3}, at::kDouble)});
+    frozen.params = fbt::leaf_copies({at::ones({3}, at::kDouble)});
+    live.lr = 1.0, frozen.lr = 0.0;
+    auto opt = plugin->create({live, frozen}, plugin->validate(fbt::user_args(args)));
+    for (int s = 0; s < 3; ++s) {
+      fbt::set_grads(live.params, {at::full({3}, 0.1, at::kDouble)});
+      fbt::set_grads(frozen.params, {at::full({3}, 0.1, at::kDouble)});
+      opt->step();
+    }
+    EXPECT_FALSE(at::equal(live.params[0], at::ones({3}, at::kDouble)));
+    EXPECT_TRUE(at::equal(frozen.params[0], at::ones({3}, at::kDouble))) << frozen.params[0];
+    EXPECT_EQ(opt->effective_lr(1), 0.0);
+  }
+}
+
+// An auto-LR plugin's saved scalars (d, its step count k) are checked: a value that is not
+// finite is refused by load_state_dict, naming it; one out of range (d <= 0) by the next step.
+TEST(AutoLr, CorruptScalarStateIsRefusedNamingIt) {
+  for (const char* file : {"dadaptation.so", "prodigy.so"}) {
+    SCOPED_TRACE(file);
+    auto params = fbt::leaf_copies({at::ones({3})});
+    auto opt = fbt::make(file, params, {});
+    fbt::set_grads(params, {at::full({3}, 0.1)});
+    opt->step();
+    fusebox::StateDict nan_k = opt->state_dict();
+    nan_k["@optimizer/k"] = at::scalar_tensor(std::nan(""), at::kDouble);
+    auto fresh = fbt::make(file, params, {});
+    try {
+      fresh->load_state_dict(nan_k);
+      ADD_FAILURE() << "a NaN step count was loaded";
+    } catch (const fusebox::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'@optimizer/k' is nan"), std::string::npos) << e.what();
+    }
+    fusebox::StateDict negative_d = opt->state_dict();
+    negative_d["@optimizer/d"] = at::scalar_tensor(-5.0, at::kDouble);
+    fresh->load_state_dict(negative_d);
+    fbt::set_grads(params, {at::full({3}, 0.1)});
+    const at::Tensor before = params[0].clone();
+    try {
+      fresh->step();
+      ADD_FAILURE() << "stepped with d = -5";
+    } catch (const fusebox::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("d = -5"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(at::equal(params[0], before));
   }
 }
 

@@ -152,8 +152,9 @@ class FUSEBOX_VISIBLE Optimizer {
   /// Restores the entries of `dict` that belong to this optimizer's parameters (others are
   /// ignored, so a dict saved with other grouping loads group by group); a parameter without
   /// entries starts afresh. State tensors are copied onto each parameter's device. State saved for
-  /// a parameter of another shape or float width (another model's state), a bad step count or a
-  /// malformed entry throws Error naming the entry, and the optimizer keeps the state it had.
+  /// a parameter of another shape or float width (another model's state), a bad step count, a
+  /// global scalar that is not finite or a malformed entry throws Error naming the entry, and the
+  /// optimizer keeps the state it had.
   void load_state_dict(const StateDict& dict) {
     std::unordered_map<std::string, Slot> by_name;  // a local: the layout stays as plugins know it
     for (size_t g = 0; g < groups_.size(); ++g)
@@ -167,7 +168,12 @@ class FUSEBOX_VISIBLE Optimizer {
     const std::string gp = "@optimizer/";
     for (const auto& [key, value] : dict) {
       if (key.rfind(gp, 0) == 0) {
-        globals[key.substr(gp.size())] = scalar_value_(value, key);
+        const double v = scalar_value_(value, key);
+        if (!std::isfinite(v))
+          throw Error("optimizer state '" + key + "' is " + std::to_string(v) +
+                      ": saved scalars are finite (a corrupt state dict, or one saved after the "
+                      "run diverged); load an earlier one");
+        globals[key.substr(gp.size())] = v;
         continue;
       }
       const size_t slash = key.rfind('/');  // state keys hold no '/'; parameter names may
