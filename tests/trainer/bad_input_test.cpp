@@ -51,6 +51,13 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
   tmp.write("corrupt.fbx", "FUSEBOX-CKPT but then garbage");
   tmp.write("a_file", "x");
   ASSERT_EQ(::mkfifo(tmp.file("fifo").c_str(), 0600), 0);
+  {  // a plugin cut short by an interrupted copy
+    std::ifstream in(std::string(FUSEBOX_PLUGIN_DIR) + "/sgd.so", std::ios::binary);
+    std::string head(5000, '\0');
+    in.read(head.data(), static_cast<std::streamsize>(head.size()));
+    std::ofstream(tmp.file("cut.so"), std::ios::binary) << head;
+  }
+  std::ofstream(tmp.file("huge.toml")).seekp((17 << 20) - 1) << '\n';
   // Weights written by --save-model: a dict of tensors, not a module.
   ASSERT_EQ(
       run_program("--model mlp --model-width 8 --threads 1 --optimizer sgd --max-train-steps 1 "
@@ -142,6 +149,22 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"batch over ranks", "--optimizer sgd --nproc-per-node 2 --train-batch-size 3",
        "cannot be split evenly over 2 ranks", 2},
       {"not UTF-8", "--optimizer sgd --output-dir {dir}/\xff", "not valid UTF-8", 2},
+      {"config is a pipe", "--config {dir}/fifo",
+       "config file " + tmp.file("fifo") + " is not a regular file", 2},
+      {"config is a device", "--config /dev/zero", "config file /dev/zero is not a regular file",
+       2},
+      {"config far too large", "--config {dir}/huge.toml", "huge.toml is 17 MiB", 2},
+      {"save-model is a device", "--optimizer sgd --save-model /dev/full",
+       "--save-model: /dev/full exists and is not a regular file", 2},
+      {"save-model over the run's summary",
+       "--optimizer sgd --output-dir {dir}/own --save-model {dir}/own/summary.json",
+       "is a file the run itself writes in --output-dir", 2},
+      {"save-model over a checkpoint",
+       "--optimizer sgd --output-dir {dir}/own --save-model {dir}/own/checkpoint-00000003.fbx",
+       "give the model another name", 2},
+      {"save-model below a file", "--optimizer sgd --save-model {dir}/a_file/model.pt",
+       "a_file is not a folder", 2},
+      {"truncated plugin", "--optimizer-plugin {dir}/cut.so", "cut.so is truncated", 2},
       {"dataset is a pipe", "--optimizer sgd --model transformer --dataset text:{dir}/fifo",
        "is not a regular file", 2},
       {"weights file as model script", "--optimizer sgd --model-script {dir}/weights.pt",
@@ -244,4 +267,22 @@ TEST(TrainerBadInput, CommandLinePluginChoiceOverridesTheConfigs) {
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("optimizer_plugin = \"sgd.so\""), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("optimizer = \"adam\""), std::string::npos) << r.out;
+}
+
+// Training finished but its summary cannot be written (here a folder is in its way; a full disk
+// does the same): a failure of the run (3), not of its input (2), and the checkpoint is kept.
+TEST(TrainerBadInput, ASummaryThatCannotBeWrittenIsATrainingFailure) {
+  TempDir tmp;
+  fs::create_directories(tmp.file("out/summary.json"));
+  const auto r = run_program(
+      "--model mlp --model-width 8 --max-train-steps 3 --threads 1 --optimizer sgd --output-dir " +
+          tmp.file("out"),
+      tmp.str());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("cannot write " + tmp.file("out/summary.json")), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("training finished; its checkpoints are in " + tmp.file("out")),
+            std::string::npos)
+      << r.err;
+  EXPECT_TRUE(fs::is_regular_file(tmp.file("out/checkpoint-00000003.fbx")));
 }

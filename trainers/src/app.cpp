@@ -120,6 +120,29 @@ void check_writable_folder(const std::string& dir, const std::string& what) {
 
 void check_output_dir(const std::string& dir) { check_writable_folder(dir, "--output-dir"); }
 
+// --save-model replaces a file: never a device, pipe or socket (written to, /dev/full fails only
+// after training, /dev/null loses the model), and never a file the run keeps in its own output
+// folder (a checkpoint, its pointer, metrics or summary), which the model would overwrite.
+void check_save_model_target(const std::string& target, const std::string& output_dir) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(target, ec);
+  if (fs::exists(st) && !fs::is_regular_file(st))
+    throw Error("--save-model: " + target +
+                " exists and is not a regular file (a device, pipe or socket); give the name of "
+                "a file to write");
+  if (output_dir.empty()) return;
+  const fs::path file = fs::absolute(target).lexically_normal();
+  if (file.parent_path() != fs::absolute(output_dir).lexically_normal()) return;
+  const std::string name = file.filename().string();
+  const bool checkpoint = name.rfind("checkpoint-", 0) == 0 && file.extension() == ".fbx";
+  for (const char* own :
+       {"summary.json", "metrics.jsonl", "metrics.csv", "latest-checkpoint", "comparison.txt"})
+    if (checkpoint || name == own)
+      throw Error("--save-model: " + target + " is a file the run itself writes in --output-dir " +
+                  output_dir + "; give the model another name (e.g. " +
+                  (file.parent_path() / "model.pt").string() + ")");
+}
+
 // The settings every rank of a job must share, one `key = value` a line: the resolved config
 // without what is local to a rank or machine (paths, thread counts, output), plus the plugin.
 std::string shared_settings(const std::vector<PlannedRun>& plan) {
@@ -280,6 +303,7 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
         p.config.save_model = run_model_path(*p.config.save_model, p.config.name);
         check_writable_folder(fs::path(*p.config.save_model).parent_path().string(),
                               "--save-model");
+        check_save_model_target(*p.config.save_model, p.config.output_dir);
       }
       // A run's checkpoint to resume must be there before an earlier run trains.
       if (p.config.resume) resume_checkpoint_path(p.config);

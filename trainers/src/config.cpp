@@ -252,7 +252,9 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
       return !rel.empty() && *rel.begin() != "..";
     };
     if (!parent.empty() && !fs::is_directory(parent, ec) && !inside_output_dir())
-      throw Error(r.label("save-model") + ": folder " + parent.string() + " does not exist");
+      throw Error(r.label("save-model") + ": " +
+                  (fs::exists(parent, ec) ? parent.string() + " is not a folder"
+                                          : "folder " + parent.string() + " does not exist"));
   }
   return c;
 }

@@ -652,7 +652,14 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   summary.memory_breakdown = memory::describe(acct, mode->name());
   summary.weights_bytes = acct.weights, summary.state_bytes = acct.state;
   summary.grads_alive_bytes = acct.grads_alive;
-  files.commit(summary);
+  try {
+    files.commit(summary);
+  } catch (const std::exception& e) {  // trained, but the record of it failed (a full disk?)
+    throw TrainingFailed(failed_in + first_line(e.what()) +
+                         (c.output_dir.empty() ? std::string()
+                                               : " (training finished; its checkpoints are in " +
+                                                     c.output_dir + ")"));
+  }
   if (c.save_model && dist.leader()) {
     try {
       // A folder below --output-dir may not exist yet (the planning checked it can be made).

@@ -284,6 +284,14 @@ ConfigFile read_config_file(const std::string& path) {
   if (!std::filesystem::exists(path, ec)) throw Error("config file " + path + " does not exist");
   if (std::filesystem::is_directory(path, ec))
     throw Error("config file " + path + " is a directory");
+  // A pipe would block the trainer and a device (/dev/zero) never end: only files are read.
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw Error("config file " + path + " is not a regular file; pass a TOML file");
+  constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
+  if (const std::uintmax_t size = std::filesystem::file_size(path, ec);
+      !ec && size > kMaxConfigBytes)
+    throw Error("config file " + path + " is " + std::to_string(size >> 20) +
+                " MiB; a config is a small TOML file (at most 16 MiB): is it the right file?");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("config file " + path + " cannot be read (permission denied?)");
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
