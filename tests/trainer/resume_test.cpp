@@ -122,6 +122,8 @@ TEST(TrainerResume, MismatchesAndBadFilesAreOneLineErrors) {
       with(base_args(tmp.str(), "adamw", 4), {"--model-width", "32", "--resume", "latest"}));
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("has shape"), std::string::npos) << r.err;
+  // The error alone: no warning that the settings differ from a checkpoint that is refused.
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   const std::string bad = tmp.write("bad.fbx", "not a checkpoint");
   const std::string before = read_text(tmp.file(fusebox::checkpoint_name(2)));
   r = run_trainer(with(base_args(tmp.str(), "adamw", 4), {"--resume", bad}));

@@ -320,26 +320,28 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   std::string resumed_from;
   // Released once restored (below): its tensors are a second copy of the weights and state.
   std::optional<Checkpoint> resumed = load_resume_checkpoint(c, plugin, &resumed_from);
-  if (resumed && dist.leader())
+  // Said once the checkpoint has passed every check below: a checkpoint that is refused gets its
+  // one error line, not warnings about how it would have been used.
+  std::vector<std::string> resume_warnings;
+  if (resumed)
     if (const std::string changed = settings_changed_since(*resumed, c); !changed.empty())
-      con.err << ("trainer: warning: --resume: settings differ from the run that wrote " +
-                  resumed_from + ": " + changed +
-                  "; this run goes on with its own settings, so it will not equal an uninterrupted "
-                  "run\n")
-              << std::flush;
-  if (resumed && dist.leader() && resumed->meta.count("plugin_version") &&
+      resume_warnings.push_back("settings differ from the run that wrote " + resumed_from + ": " +
+                                changed +
+                                "; this run goes on with its own settings, so it will not equal "
+                                "an uninterrupted run");
+  if (resumed && resumed->meta.count("plugin_version") &&
       resumed->meta.at("plugin_version") != plugin.info().version)
-    con.err << ("trainer: warning: --resume: " + resumed_from + " was written by " +
-                plugin.info().name + " " + resumed->meta.at("plugin_version") + ", this is " +
-                plugin.info().version +
-                ": its optimizer state is loaded as is (if the plugin's state changed between "
-                "the versions, resume with the version that wrote it)\n")
-            << std::flush;
+    resume_warnings.push_back(resumed_from + " was written by " + plugin.info().name + " " +
+                              resumed->meta.at("plugin_version") + ", this is " +
+                              plugin.info().version +
+                              ": its optimizer state is loaded as is (if the plugin's state "
+                              "changed between the versions, resume with the version that "
+                              "wrote it)");
   if (resumed && !restore_model(*resumed, *model))
-    con.err << ("trainer: warning: --resume: " + resumed_from +
-                " holds no model buffers (written by an older fusebox): the model keeps its "
-                "initial buffers, so the result differs from an uninterrupted run\n")
-            << std::flush;
+    resume_warnings.push_back(resumed_from +
+                              " holds no model buffers (written by an older fusebox): the model "
+                              "keeps its initial buffers, so the result differs from an "
+                              "uninterrupted run");
   std::vector<ParamGroup> groups = param_groups(*model);
   if (dist.comm) {
     // Every rank starts from rank 0's weights (whatever the model's own initialisation did).
@@ -401,12 +403,14 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   const int64_t first_step =
       resumed ? restore_training_state(*resumed, *mode, scheduler, *data, share) : 0;
   if (resumed && so.loss_scaler)
-    if (const std::string note = restore_loss_scale(*resumed, *so.loss_scaler);
-        !note.empty() && dist.leader())
-      con.err << ("trainer: warning: --resume: " + note + "\n") << std::flush;
+    if (const std::string note = restore_loss_scale(*resumed, *so.loss_scaler); !note.empty())
+      resume_warnings.push_back(note);
   if (first_step >= c.max_train_steps)
     throw Error("--resume: the checkpoint is at step " + std::to_string(first_step) +
                 ", --max-train-steps is " + std::to_string(c.max_train_steps) + ": nothing to do");
+  if (dist.leader())
+    for (const std::string& w : resume_warnings)
+      con.err << ("trainer: warning: --resume: " + w + "\n") << std::flush;
   // --on-non-finite skip: the current run of skipped steps, carried across a resume so that
   // --max-consecutive-skips stops a resumed run where it would have stopped the whole one.
   int64_t skipped_in_a_row = 0;
