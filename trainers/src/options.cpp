@@ -75,9 +75,12 @@ std::vector<OptionSpec> build_specs() {
           "NAME"));
 
   section = "Optimization";
-  add(opt("learning-rate", Kind::Real, {},
-          "learning rate, passed to the plugin as hyperparameter lr (default: the plugin's own)",
-          "LR"));
+  // Past float's largest value it cannot even be applied to float32 parameters.
+  at_most(add(opt("learning-rate", Kind::Real, {},
+                  "learning rate, passed to the plugin as hyperparameter lr (default: the "
+                  "plugin's own)",
+                  "LR")),
+          3.4e38);
   choices(add(opt("lr-scheduler", Kind::Choice, std::string("constant"), "learning-rate schedule",
                   "NAME")),
           {"constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
