@@ -240,6 +240,10 @@ HyperParams validate_hyperparams(const Schema& schema, const std::string& plugin
       throw Error(plugin + ": the plugin's rule over (" + rule.keys +
                   ") threw instead of returning a message: " + first_line(e.what()) +
                   " (a bug in the plugin; report it to its author)");
+    } catch (...) {
+      throw Error(plugin + ": the plugin's rule over (" + rule.keys +
+                  ") threw something that is not a std::exception (a bug in the plugin; report "
+                  "it to its author)");
     }
     if (!problem.empty())
       throw Error(plugin + ": invalid hyperparameters (" + rule.keys + "): " + problem);

@@ -156,6 +156,23 @@ TEST(HyperparamValidation, ARuleThatThrowsNamesThePluginAndTheRule) {
   }
 }
 
+// One that throws a value that is no std::exception is an Error too, not an escape past every
+// handler that catches std::exception.
+TEST(HyperparamValidation, ARuleThatThrowsANonStandardValueGivesAnError) {
+  Schema s;
+  s.real("lr", 0.1, "learning rate");
+  s.rule("lr", [](const HyperParams&) -> std::string { throw 42; });
+  try {
+    validate_hyperparams(s, "demo", {});
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("demo: the plugin's rule over (lr) threw something that "
+                                         "is not a std::exception"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // TOML's `slice_p = 2.0` for an integer key says it is a float and how to write it.
 TEST(HyperparamValidation, AFloatForAnIntegerSaysSo) {
   UserArgs a;
