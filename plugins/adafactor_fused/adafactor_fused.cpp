@@ -87,8 +87,9 @@ class Adafactor final : public fusebox::Optimizer {
         std::tie(state["exp_avg_sq_row"], state["exp_avg_sq_col"]) = fusebox::factored_zeros(p);
       else
         state["exp_avg_sq"] = at::zeros_like(p);
-      if (beta1_ >= 0) state["exp_avg"] = at::zeros_like(p);
     }
+    // Also when beta1 meets state saved without a first moment (a resume that switched it on).
+    if (beta1_ >= 0 && !state["exp_avg"].defined()) state["exp_avg"] = at::zeros_like(p);
     const int64_t t = ++state.step;
     at::Tensor rms = state["RMS"] = fusebox::rms(p);
     const double rho = relative_step_size(t, group);

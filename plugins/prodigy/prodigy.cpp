@@ -69,6 +69,7 @@ class Prodigy final : public fusebox::Optimizer {
                            " and k = " + std::to_string(k) +
                            " (d is above 0, k a whole step count): a corrupt "
                            "or foreign state dict; load one this plugin saved");
+    check_loaded_slices();
     const double lr = fusebox::shared_lr(*this, "prodigy");
     const int64_t step = static_cast<int64_t>(k) + 1;
     const double bc = fusebox::adam_bias_factor(bias_correction_, beta1_, beta2_, step);
@@ -87,9 +88,10 @@ class Prodigy final : public fusebox::Optimizer {
         if (st.step == 0) {
           st["s"] = at::zeros({ps.numel()}, ps.options());
           st["p0"] = ps.clone(at::MemoryFormat::Contiguous);
-          if (beta1_ > 0) st["exp_avg"] = at::zeros_like(p);
           st["exp_avg_sq"] = at::zeros_like(p);
         }
+        // Also when β1 > 0 meets state saved with β1 = 0 (a resume that switched it on).
+        if (beta1_ > 0 && !st["exp_avg"].defined()) st["exp_avg"] = at::zeros_like(p);
         if (this->lr(gi) == 0) continue;
         at::Tensor gs = sliced(g);
         at::Tensor term = at::dot(gs, st["p0"] - ps).to(at::kDouble).mul_((d / d0_) * dlr);
@@ -147,6 +149,29 @@ class Prodigy final : public fusebox::Optimizer {
   at::Tensor grad_of(const at::Tensor& param, const at::Tensor& p) const {
     at::Tensor g = param.grad().to(p.scalar_type());
     return weight_decay_ != 0 && !decouple_ ? g.add(p, weight_decay_) : g;
+  }
+  // State saved with another slice_p holds another number of samples (s, p0): refused, naming
+  // the parameter, before any state changes (p0, the starting point, cannot be sampled again).
+  void check_loaded_slices() {
+    for (size_t gi = 0; gi < num_groups(); ++gi)
+      for (size_t i = 0; i < group(gi).params.size(); ++i) {
+        fusebox::ParamState& st = state(gi, i);
+        if (st.step == 0) continue;
+        const int64_t want = (group(gi).params[i].numel() + slice_ - 1) / slice_;
+        for (const char* key : {"s", "p0", "exp_avg_sq"}) {
+          const at::Tensor& t = st[key];
+          const int64_t have = t.defined() ? t.numel() : -1;
+          const int64_t need =
+              std::string(key) == "exp_avg_sq" ? group(gi).params[i].numel() : want;
+          if (have != need)
+            throw fusebox::Error(
+                "prodigy: the state '" + std::string(key) + "' of parameter '" +
+                group(gi).names[i] + "' holds " +
+                (have < 0 ? std::string("nothing") : std::to_string(have) + " values") + ", " +
+                std::to_string(need) + " expected with slice_p=" + std::to_string(slice_) +
+                ": resume with the slice_p the state was saved with");
+        }
+      }
   }
   // Every slice_p-th element of x, flattened.
   at::Tensor sliced(const at::Tensor& x) const {

@@ -225,6 +225,55 @@ TEST(AutoLr, CorruptScalarStateIsRefusedNamingIt) {
   }
 }
 
+// A resume may change a hyperparameter. One that adds state (a first moment switched on) starts
+// it at zero; one that changes the state's shape (Prodigy's slice_p) is refused by the next step,
+// naming the parameter and the setting, before anything changes.
+TEST(StateDict, ASettingChangedAtResumeStartsNewStateOrIsRefused) {
+  const std::tuple<const char*, fbt::Args, fbt::Args> added[] = {
+      {"adafactor_fused.so", {}, {{"beta1", "0.9"}}},
+      {"prodigy.so", {{"betas", "(0,0.999)"}}, {}},
+  };
+  for (const auto& [file, before, after] : added) {
+    SCOPED_TRACE(fbt::label(file, after));
+    const auto init = initial_params(at::kFloat);
+    const auto grads = gradient_sequence(init, 3);
+    auto params = fbt::leaf_copies(init);
+    auto first = fbt::make(file, params, before);
+    for (int s = 0; s < 2; ++s) {
+      fbt::set_grads(params, grads[s]);
+      first->step();
+    }
+    ASSERT_EQ(first->state_dict().count("g0.p0/exp_avg"), 0u);
+    auto resumed = fbt::make(file, params, after);
+    resumed->load_state_dict(first->state_dict());
+    fbt::set_grads(params, grads[2]);
+    const at::Tensor p0 = params[0].clone();
+    resumed->step();
+    EXPECT_FALSE(at::equal(params[0], p0));
+    for (const auto& p : params) EXPECT_TRUE(at::isfinite(p).all().item<bool>());
+    EXPECT_EQ(resumed->state_dict().count("g0.p0/exp_avg"), 1u);
+  }
+
+  const auto init = initial_params(at::kFloat);
+  auto params = fbt::leaf_copies(init);
+  auto first = fbt::make("prodigy.so", params, {});
+  fbt::set_grads(params, gradient_sequence(init, 1)[0]);
+  first->step();
+  auto resumed = fbt::make("prodigy.so", params, {{"slice_p", "3"}});
+  resumed->load_state_dict(first->state_dict());
+  const std::vector<at::Tensor> before = fbt::leaf_copies(params);
+  try {
+    resumed->step();
+    ADD_FAILURE() << "stepped with state sampled for slice_p=1";
+  } catch (const fusebox::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("of parameter 'g0.p0' holds 20 values, 7 expected with "
+                                         "slice_p=3"),
+              std::string::npos)
+        << e.what();
+  }
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i], before[i])) << i;
+}
+
 }  // namespace
 
 // amsgrad switched on when resuming state saved without it: the running maximum starts at the
