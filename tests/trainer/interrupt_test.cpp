@@ -15,9 +15,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Starts `trainer ARGS` in `d`, sends SIGTERM once it has printed "step 3/", and writes its exit
-// code and the seconds it took to stop to `code` and `seconds`.
-void run_and_terminate(const TempDir& d, const std::string& args) {
+// Starts `trainer ARGS` in `d`, sends SIG`signal` once it has printed "step 3/", and writes its
+// exit code and the seconds it took to stop to `code` and `seconds`.
+void run_and_terminate(const TempDir& d, const std::string& args,
+                       const std::string& signal = "TERM") {
   const std::string trainer = std::string(FUSEBOX_BIN_DIR) + "/trainer";
   const std::string script = d.write("term.sh",
                                      "cd \"$(dirname \"$0\")\"\n"
@@ -25,7 +26,7 @@ void run_and_terminate(const TempDir& d, const std::string& args) {
                                          trainer + " " + args +
                                          R"sh( >out.txt 2>err.txt & p=$!
 for i in $(seq 1200); do grep -q "step 3/" out.txt 2>/dev/null && break; sleep 0.1; done
-kill -TERM $p
+kill -)sh" + signal + R"sh( $p
 start=$(date +%s)
 wait $p
 echo $? >code
@@ -70,6 +71,22 @@ TEST(TrainerInterrupt, SigtermSavesACheckpointAfterTheStepAndTheRunResumesFromIt
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("(step " + std::to_string(step) + ")"), std::string::npos) << r.out;
   EXPECT_EQ(count_lines(read_text(d.file("out/metrics.jsonl"))), step + 2);
+}
+
+// A closed terminal (SIGHUP) stops a run the same way, instead of killing it.
+TEST(TrainerInterrupt, SighupSavesACheckpointAfterTheStep) {
+  TempDir d;
+  run_and_terminate(d,
+                    "--optimizer sgd --threads 1 --log-every 1 --max-train-steps 100000000 "
+                    "--output-dir " +
+                        d.file("out"),
+                    "HUP");
+  const std::string err = read_text(d.file("err.txt"));
+  EXPECT_EQ(read_text(d.file("code")), "129\n") << err;  // 128 + SIGHUP
+  EXPECT_EQ(err.rfind("trainer: stopped by SIGHUP after step ", 0), 0u) << err;
+  const int64_t step = stopped_after(err);
+  ASSERT_GE(step, 3) << err;
+  EXPECT_TRUE(fs::exists(fs::path(d.file("out")) / fusebox::checkpoint_name(step))) << err;
 }
 
 // The launcher hands the signal to every rank; they agree (in the loss's all-reduce) to stop

@@ -39,6 +39,9 @@ void install_interrupt_handlers() {
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
+  // The terminal closed (an ssh session dropped): a run started without nohup would die at once
+  // and lose the steps since its last checkpoint.
+  ::sigaction(SIGHUP, &sa, nullptr);
 }
 
 int interrupt_signal() { return g_signal.load(); }
@@ -46,6 +49,7 @@ int interrupt_signal() { return g_signal.load(); }
 std::string signal_name(int sig) {
   if (sig == SIGINT) return "SIGINT";
   if (sig == SIGTERM) return "SIGTERM";
+  if (sig == SIGHUP) return "SIGHUP";
   return "signal " + std::to_string(sig);
 }
 

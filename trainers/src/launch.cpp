@@ -81,6 +81,7 @@ int launch_local_ranks(const std::vector<std::string>& args, int64_t nproc, doub
   sa.sa_handler = forward_signal;
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGHUP, &sa, nullptr);
   children().assign(static_cast<size_t>(nproc), -1);
   for (int64_t r = 0; r < nproc; ++r) {
     env["RANK"] = env["LOCAL_RANK"] = std::to_string(r);
