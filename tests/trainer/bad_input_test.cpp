@@ -140,6 +140,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"infinite hyperparameter", "--optimizer sgd --optimizer-args lr=inf",
        "'lr': inf is outside (0, inf)", 2},
       {"nan option", "--optimizer sgd --learning-rate nan", "is not a number (nan)", 2},
+      {"a line break in a path", "--optimizer sgd --model-script '{dir}/no\nsuch.pt'",
+       "no\\nsuch.pt does not exist", 2},
       {"lr past float", "--optimizer sgd --learning-rate 1e39", "--learning-rate: must be at most",
        2},
       {"too many threads", "--optimizer sgd --threads 5000000000", "must be at most 1024", 2},

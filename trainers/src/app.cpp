@@ -372,6 +372,13 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   return kExitOk;
 }
 
+// An error is one line even when what it names (a path, a value) holds a line break.
+std::string one_line(const std::string& text) {
+  std::string out;
+  for (char ch : text) out += ch == '\n' ? "\\n" : ch == '\r' ? "\\r" : std::string(1, ch);
+  return out;
+}
+
 }  // namespace
 
 int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err,
@@ -385,11 +392,11 @@ int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::o
     return run(args, out, err, terminal);
   } catch (const TrainingFailed& e) {
     out.flush();
-    err << ("trainer: error: " + who + e.what() + "\n") << std::flush;
+    err << ("trainer: error: " + who + one_line(e.what()) + "\n") << std::flush;
     return kExitTraining;
   } catch (const Error& e) {
     out.flush();
-    err << ("trainer: error: " + who + e.what() + "\n") << std::flush;
+    err << ("trainer: error: " + who + one_line(e.what()) + "\n") << std::flush;
     return kExitUsage;
   } catch (const std::exception& e) {
     out.flush();
