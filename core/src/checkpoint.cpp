@@ -137,7 +137,7 @@ std::map<std::string, at::Tensor> tensor_map(const c10::IValue& v) {
 
 std::string read_all(const fs::path& path, const std::string& what) {
   std::error_code ec;
-  if (!fs::exists(path, ec)) throw Error(what + " " + path.string() + " does not exist");
+  if (!fs::exists(path, ec)) throw Error(what + " " + path.string() + does_not_exist(ec));
   if (fs::is_directory(path, ec)) throw Error(what + " " + path.string() + " is a directory");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("cannot read " + what + " " + path.string() + ": " + std::strerror(errno));

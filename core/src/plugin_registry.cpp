@@ -329,7 +329,7 @@ std::vector<fs::path> PluginRegistry::search_path() const {
 
 std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
   std::error_code ec;
-  if (!fs::exists(path, ec)) throw Error("plugin file " + path.string() + " does not exist");
+  if (!fs::exists(path, ec)) throw Error("plugin file " + path.string() + does_not_exist(ec));
   if (!fs::is_regular_file(path, ec))
     throw Error("plugin " + path.string() + " is not a regular file");
   const fs::path canonical = fs::canonical(path, ec);

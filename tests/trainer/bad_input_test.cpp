@@ -51,6 +51,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
   tmp.write("corrupt.fbx", "FUSEBOX-CKPT but then garbage");
   tmp.write("a_file", "x");
   ASSERT_EQ(::mkfifo(tmp.file("fifo").c_str(), 0600), 0);
+  fs::create_symlink(tmp.file("loop2"), tmp.file("loop1"));
+  fs::create_symlink(tmp.file("loop1"), tmp.file("loop2"));
   {  // a plugin cut short by an interrupted copy
     std::ifstream in(std::string(FUSEBOX_PLUGIN_DIR) + "/sgd.so", std::ios::binary);
     std::string head(5000, '\0');
@@ -142,6 +144,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"nan option", "--optimizer sgd --learning-rate nan", "is not a number (nan)", 2},
       {"a line break in a path", "--optimizer sgd --model-script '{dir}/no\nsuch.pt'",
        "no\\nsuch.pt does not exist", 2},
+      {"a symlink loop", "--optimizer sgd --model-script {dir}/loop1",
+       "loop1 cannot be reached (Too many levels of symbolic links)", 2},
       {"lr past float", "--optimizer sgd --learning-rate 1e39", "--learning-rate: must be at most",
        2},
       {"too many threads", "--optimizer sgd --threads 5000000000", "must be at most 1024", 2},
@@ -240,6 +244,13 @@ TEST(TrainerBadInput, RunsAreCheckedBeforeAnyRunTrains) {
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(count_lines(r.err), 1) << r.err;
   EXPECT_NE(r.err.find("escape.toml:7:8: runs.name: '../../escape' may use only letters"),
+            std::string::npos)
+      << r.err;
+  tmp.write("parent.toml", head + "[[runs]]\nname = \"..\"\n");
+  r = run_program("--config " + tmp.file("parent.toml"), tmp.str());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("runs.name: '..' cannot name a run: it names a folder under output_dir, "
+                       "and '..' is the folder above it"),
             std::string::npos)
       << r.err;
   tmp.write("late.toml", head + "[[runs]]\nname = \"a\"\n[[runs]]\nname = \"b\"\noutput_dir = \"" +

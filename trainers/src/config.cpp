@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "fusebox/core/loss_scaler.h"
+#include "fusebox/core/messages.h"
 #include "fusebox/core/suggest.h"
 #include "fusebox/error.h"
 
@@ -48,7 +49,7 @@ class Reader {
 
 void check_readable_file(const std::string& label, const std::string& path, const char* what) {
   std::error_code ec;
-  if (!fs::exists(path, ec)) throw Error(label + ": " + what + " " + path + " does not exist");
+  if (!fs::exists(path, ec)) throw Error(label + ": " + what + " " + path + does_not_exist(ec));
   if (fs::is_directory(path, ec)) throw Error(label + ": " + what + " " + path + " is a folder");
   // A pipe or device would block the trainer or never end; only files are read.
   if (!fs::is_regular_file(path, ec))
@@ -222,7 +223,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   if (c.resume) {
     std::error_code ec;
     if (*c.resume != "latest" && !fs::exists(*c.resume, ec))
-      throw Error(r.label("resume") + ": checkpoint " + *c.resume + " does not exist");
+      throw Error(r.label("resume") + ": checkpoint " + *c.resume + does_not_exist(ec));
     // A pipe or device would block the trainer (or never end): a checkpoint is a file or folder.
     if (*c.resume != "latest" && !fs::is_regular_file(*c.resume, ec) &&
         !fs::is_directory(*c.resume, ec))

@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include "fusebox/core/messages.h"
 #include "fusebox/core/suggest.h"
 #include "fusebox/error.h"
 
@@ -263,8 +264,12 @@ ConfigFile parse_config_text(const std::string& text, const std::string& source)
           throw Error(where_of(*n, source) + ": runs.name: expected a non-empty string");
         // The name becomes a folder under output_dir and a suffix of save_model: one plain
         // path component, never one that leaves the folder.
-        if (*v == "." || *v == ".." ||
-            v->find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+        if (*v == "." || *v == "..")
+          throw Error(where_of(*n, source) + ": runs.name: '" + *v +
+                      "' cannot name a run: it names a folder under output_dir, and '" + *v +
+                      "' is " + (*v == "." ? "output_dir itself" : "the folder above it") +
+                      "; choose another name");
+        if (v->find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
                                  "0123456789._-") != std::string::npos)
           throw Error(where_of(*n, source) + ": runs.name: '" + *v +
                       "' may use only letters, digits, '.', '_' and '-' (it names a folder)");
@@ -281,7 +286,7 @@ ConfigFile parse_config_text(const std::string& text, const std::string& source)
 
 ConfigFile read_config_file(const std::string& path) {
   std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) throw Error("config file " + path + " does not exist");
+  if (!std::filesystem::exists(path, ec)) throw Error("config file " + path + does_not_exist(ec));
   if (std::filesystem::is_directory(path, ec))
     throw Error("config file " + path + " is a directory");
   // A pipe would block the trainer and a device (/dev/zero) never end: only files are read.
