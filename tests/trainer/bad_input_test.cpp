@@ -8,6 +8,8 @@
 #include <streambuf>
 #include <vector>
 
+#include <caffe2/serialize/inline_container.h>
+
 #include "trainer_test_util.h"
 
 namespace fs = std::filesystem;
@@ -51,6 +53,13 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
   tmp.write("corrupt.fbx", "FUSEBOX-CKPT but then garbage");
   tmp.write("a_file", "x");
   ASSERT_EQ(::mkfifo(tmp.file("fifo").c_str(), 0600), 0);
+  {  // a TorchScript archive whose pickles pop an empty stack: LibTorch's reader dies of SIGSEGV
+    caffe2::serialize::PyTorchStreamWriter writer(tmp.file("malformed_script.pt"));
+    const std::string constants = "\x80\x02R.", data = "\x80\x02}.";
+    writer.writeRecord("constants.pkl", constants.data(), constants.size());
+    writer.writeRecord("data.pkl", data.data(), data.size());
+    writer.writeEndOfFile();
+  }
   fs::create_symlink(tmp.file("loop2"), tmp.file("loop1"));
   fs::create_symlink(tmp.file("loop1"), tmp.file("loop2"));
   {  // a plugin cut short by an interrupted copy
@@ -144,6 +153,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"nan option", "--optimizer sgd --learning-rate nan", "is not a number (nan)", 2},
       {"a line break in a path", "--optimizer sgd --model-script '{dir}/no\nsuch.pt'",
        "no\\nsuch.pt does not exist", 2},
+      {"malformed TorchScript", "--optimizer sgd --model-script {dir}/malformed_script.pt",
+       "malformed_script.pt cannot be loaded: ", 2},
       {"a symlink loop", "--optimizer sgd --model-script {dir}/loop1",
        "loop1 cannot be reached (Too many levels of symbolic links)", 2},
       {"lr past float", "--optimizer sgd --learning-rate 1e39", "--learning-rate: must be at most",
