@@ -475,6 +475,12 @@ std::optional<int64_t> checkpoint_step(const fs::path& file) {
   return std::stoll(m[1]);  // at most 18 digits: always fits
 }
 
+bool is_output_file_name(const std::string& name) {
+  static const std::set<std::string> others = {"latest-checkpoint", "metrics.jsonl", "metrics.csv",
+                                               "summary.json", "comparison.txt"};
+  return checkpoint_step(name).has_value() || others.count(name) > 0;
+}
+
 namespace {
 
 // The checkpoints in `dir` with their steps, oldest first.
@@ -498,13 +504,12 @@ std::vector<fs::path> list_checkpoints(const fs::path& dir) {
 void remove_stale_temporaries(const fs::path& dir) {
   // Only temporaries of the files fusebox writes into an output folder (see temporary_path),
   // garbage once their writer is gone (killed mid-write); anything else there is the user's.
-  static const std::regex temporary(
-      R"(\.(checkpoint-\d+\.fbx|latest-checkpoint|metrics\.jsonl|metrics\.csv|summary\.json|comparison\.txt)\.tmp\.(\d{1,9}))");
+  static const std::regex temporary(R"(\.(.+)\.tmp\.(\d{1,9}))");
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     std::smatch m;
     const std::string name = e.path().filename().string();
-    if (!std::regex_match(name, m, temporary)) continue;
+    if (!std::regex_match(name, m, temporary) || !is_output_file_name(m[1])) continue;
     const long long pid = std::stoll(m[2]);  // at most 9 digits
     if (pid == ::getpid()) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;  // writer alive

@@ -133,14 +133,10 @@ void check_save_model_target(const std::string& target, const std::string& outpu
   if (output_dir.empty()) return;
   const fs::path file = fs::absolute(target).lexically_normal();
   if (file.parent_path() != fs::absolute(output_dir).lexically_normal()) return;
-  const std::string name = file.filename().string();
-  const bool checkpoint = name.rfind("checkpoint-", 0) == 0 && file.extension() == ".fbx";
-  for (const char* own :
-       {"summary.json", "metrics.jsonl", "metrics.csv", "latest-checkpoint", "comparison.txt"})
-    if (checkpoint || name == own)
-      throw Error("--save-model: " + target + " is a file the run itself writes in --output-dir " +
-                  output_dir + "; give the model another name (e.g. " +
-                  (file.parent_path() / "model.pt").string() + ")");
+  if (is_output_file_name(file.filename().string()))
+    throw Error("--save-model: " + target + " is a file the run itself writes in --output-dir " +
+                output_dir + "; give the model another name (e.g. " +
+                (file.parent_path() / "model.pt").string() + ")");
 }
 
 // The settings every rank of a job must share, one `key = value` a line: the resolved config

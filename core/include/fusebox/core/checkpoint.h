@@ -90,6 +90,9 @@ std::filesystem::path temporary_path(const std::filesystem::path& target);
 std::string checkpoint_name(int64_t step);
 /// The step of a checkpoint file name, or nothing for another name.
 std::optional<int64_t> checkpoint_step(const std::filesystem::path& file);
+/// Whether `name` is one of the files fusebox writes into an output folder: a checkpoint, the
+/// latest-checkpoint pointer, metrics.jsonl, metrics.csv, summary.json or comparison.txt.
+bool is_output_file_name(const std::string& name);
 /// Checkpoints in `dir`, oldest first (by step number in the name).
 std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path& dir);
 /// Deletes temporaries (temporary_path) of fusebox's output files (checkpoints, metrics,
