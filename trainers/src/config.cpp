@@ -47,18 +47,18 @@ class Reader {
   const Layer& layer_;
 };
 
-void check_readable_file(const std::string& label, const std::string& path, const char* what) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) throw Error(label + ": " + what + " " + path + does_not_exist(ec));
-  if (fs::is_directory(path, ec)) throw Error(label + ": " + what + " " + path + " is a folder");
-  // A pipe or device would block the trainer or never end; only files are read.
-  if (!fs::is_regular_file(path, ec))
-    throw Error(label + ": " + what + " " + path + " is not a regular file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(label + ": " + what + " " + path + " cannot be read");
-}
-
 }  // namespace
+
+void check_readable_file(const std::string& label, const std::string& path, const char* what) {
+  const std::string named = (label.empty() ? "" : label + ": ") + what + " " + path;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw Error(named + does_not_exist(ec));
+  if (fs::is_directory(path, ec)) throw Error(named + " is a folder");
+  // A pipe or device would block the trainer or never end; only files are read.
+  if (!fs::is_regular_file(path, ec)) throw Error(named + " is not a regular file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(named + " cannot be read");
+}
 
 std::string TrainConfig::mode() const {
   if (fused_backward_pass) return "fused";
@@ -255,7 +255,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
     if (!parent.empty() && !fs::is_directory(parent, ec) && !inside_output_dir())
       throw Error(r.label("save-model") + ": " +
                   (fs::exists(parent, ec) ? parent.string() + " is not a folder"
-                                          : "folder " + parent.string() + " does not exist"));
+                                          : "folder " + parent.string() + does_not_exist(ec)));
   }
   return c;
 }

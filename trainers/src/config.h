@@ -68,6 +68,11 @@ struct TrainConfig {
   std::string mode() const;
 };
 
+/// Refuses a file the trainer is to read that is missing, unreachable, a folder, not a regular
+/// file (a pipe or device would block or never end) or unreadable: "LABEL: WHAT PATH ...", or
+/// "WHAT PATH ..." without a label.
+void check_readable_file(const std::string& label, const std::string& path, const char* what);
+
 /// Builds and checks a run's config from fully merged settings (defaults at the bottom).
 /// Throws Error naming the option and where it was set: bad values, forbidden combinations,
 /// missing files.

@@ -7,7 +7,7 @@
 #include <set>
 #include <sstream>
 
-#include "fusebox/core/messages.h"
+#include "config.h"
 #include "fusebox/core/suggest.h"
 #include "fusebox/error.h"
 
@@ -285,13 +285,8 @@ ConfigFile parse_config_text(const std::string& text, const std::string& source)
 }
 
 ConfigFile read_config_file(const std::string& path) {
+  check_readable_file("", path, "config file");
   std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) throw Error("config file " + path + does_not_exist(ec));
-  if (std::filesystem::is_directory(path, ec))
-    throw Error("config file " + path + " is a directory");
-  // A pipe would block the trainer and a device (/dev/zero) never end: only files are read.
-  if (!std::filesystem::is_regular_file(path, ec))
-    throw Error("config file " + path + " is not a regular file; pass a TOML file");
   constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
   if (const std::uintmax_t size = std::filesystem::file_size(path, ec);
       !ec && size > kMaxConfigBytes)
