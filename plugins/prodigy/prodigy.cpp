@@ -152,17 +152,17 @@ class Prodigy final : public fusebox::Optimizer {
   }
   // State saved with another slice_p holds another number of samples (s, p0): refused, naming
   // the parameter, before any state changes (p0, the starting point, cannot be sampled again).
-  void check_loaded_slices() {
+  void check_loaded_slices() const {
     for (size_t gi = 0; gi < num_groups(); ++gi)
       for (size_t i = 0; i < group(gi).params.size(); ++i) {
-        fusebox::ParamState& st = state(gi, i);
+        const fusebox::ParamState& st = state(gi, i);
         if (st.step == 0) continue;
-        const int64_t want = (group(gi).params[i].numel() + slice_ - 1) / slice_;
-        for (const char* key : {"s", "p0", "exp_avg_sq"}) {
-          const at::Tensor& t = st[key];
-          const int64_t have = t.defined() ? t.numel() : -1;
-          const int64_t need =
-              std::string(key) == "exp_avg_sq" ? group(gi).params[i].numel() : want;
+        const int64_t n = group(gi).params[i].numel(), samples = (n + slice_ - 1) / slice_;
+        for (const auto& [key, need] :
+             {std::pair<const char*, int64_t>{"s", samples}, {"p0", samples}, {"exp_avg_sq", n}}) {
+          const auto it = st.tensors.find(key);
+          const int64_t have =
+              it == st.tensors.end() || !it->second.defined() ? -1 : it->second.numel();
           if (have != need)
             throw fusebox::Error(
                 "prodigy: the state '" + std::string(key) + "' of parameter '" +
