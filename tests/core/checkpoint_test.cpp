@@ -8,6 +8,7 @@
 
 #include <fstream>
 
+#include "../scratch_dir.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/hyperparam_validation.h"
 #include "fusebox/core/lr_scheduler.h"
@@ -17,18 +18,11 @@
 #include "tiny_lm.h"
 
 using namespace fusebox;
+using fusebox::testing::ScratchDir;
 using fusebox::testing::TinyLm;
 namespace fs = std::filesystem;
 
 namespace {
-
-fs::path temp_dir(const std::string& name) {
-  fs::path d =
-      fs::temp_directory_path() / ("fusebox_ckpt_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
 
 std::string error_of(const std::function<void()>& f) {
   try {
@@ -106,7 +100,8 @@ void expect_same_model(const Checkpoint& a, const Checkpoint& b, const std::stri
 }  // namespace
 
 TEST(Checkpoint, RoundTripsEveryFieldExactly) {
-  fs::path dir = temp_dir("roundtrip");
+  const ScratchDir scratch("ckpt-roundtrip");
+  const fs::path& dir = scratch.path();
   Checkpoint c;
   c.model["a.weight"] = at::randn({3, 4}, at::kDouble);
   c.optimizer["a.weight/exp_avg"] = at::randn({3, 4});
@@ -131,7 +126,8 @@ TEST(Checkpoint, RoundTripsEveryFieldExactly) {
 }
 
 TEST(Checkpoint, BadFilesGiveOneLineErrors) {
-  fs::path dir = temp_dir("bad");
+  const ScratchDir scratch("ckpt-bad");
+  const fs::path& dir = scratch.path();
   Checkpoint c;
   c.model["w"] = at::randn({64});
   save_checkpoint(c, dir / "good.fbx");
@@ -156,7 +152,8 @@ TEST(Checkpoint, BadFilesGiveOneLineErrors) {
 }
 
 TEST(Checkpoint, AFailedWriteLeavesTheOldFileAndNoTemporary) {
-  fs::path dir = temp_dir("failed_write");
+  const ScratchDir scratch("ckpt-failed-write");
+  const fs::path& dir = scratch.path();
   Checkpoint c;
   c.model["w"] = at::ones({4});
   save_checkpoint(c, dir / "ckpt.fbx");
@@ -175,7 +172,8 @@ TEST(Checkpoint, AFailedWriteLeavesTheOldFileAndNoTemporary) {
 // A file size limit (as a full disk would) stops an append part-way: the file is cut back to
 // what it held, so it never ends in half a record.
 TEST(Checkpoint, AFailedAppendLeavesTheFileAsItWas) {
-  fs::path dir = temp_dir("failed_append");
+  const ScratchDir scratch("ckpt-failed-append");
+  const fs::path& dir = scratch.path();
   const fs::path file = dir / "log.txt";
   append_to_file(file, "first line\n");
   append_to_file(file, "second line\n");
@@ -204,7 +202,8 @@ TEST(Checkpoint, AFailedAppendLeavesTheFileAsItWas) {
 TEST(Checkpoint, ResumeEqualsAnUninterruptedRunAcrossModesAndGroupings) {
   auto sgd = plugin_named("sgd.so");
   TinyLm init;
-  fs::path dir = temp_dir("resume");
+  const ScratchDir scratch("ckpt-resume");
+  const fs::path& dir = scratch.path();
   const std::vector<Mode> modes{{"normal"}, {"fused"}, {"groups", 3}, {"groups", 2}};
   for (const Mode& before : modes) {
     Checkpoint straight = train(*sgd, init, before, 0, 6, nullptr);
@@ -306,7 +305,8 @@ TEST(Checkpoint, ResumingAnotherFloatWidthIsRefusedButBFloat16IsNot) {
 }
 
 TEST(Checkpoint, ModelWeightsUseTorchPickleFormat) {
-  fs::path dir = temp_dir("weights");
+  const ScratchDir scratch("ckpt-weights");
+  const fs::path& dir = scratch.path();
   TinyLm m(at::kFloat);
   save_model_weights(named(m), dir / "model.pt");
   // torch.save's zip container: Python's torch.load reads it.
@@ -321,7 +321,8 @@ TEST(Checkpoint, ModelWeightsUseTorchPickleFormat) {
 }
 
 TEST(Checkpoint, KeepsOnlyTheNewestN) {
-  fs::path dir = temp_dir("prune");
+  const ScratchDir scratch("ckpt-prune");
+  const fs::path& dir = scratch.path();
   Checkpoint c;
   c.model["w"] = at::ones({1});
   for (int64_t s : {10, 20, 30, 40}) save_checkpoint(c, dir / checkpoint_name(s));
@@ -334,7 +335,8 @@ TEST(Checkpoint, KeepsOnlyTheNewestN) {
 
 // Only fusebox's own temporaries of dead writers are removed; odd names never throw.
 TEST(Checkpoint, RemovesOnlyItsOwnStaleTemporaries) {
-  fs::path dir = temp_dir("stale");
+  const ScratchDir scratch("ckpt-stale");
+  const fs::path& dir = scratch.path();
   const std::string dead = "999999999";  // above any pid_max: no such process
   const std::string alive = std::to_string(::getpid());
   auto touch = [&](const std::string& name) { std::ofstream(dir / name) << "x"; };
@@ -363,7 +365,8 @@ TEST(Checkpoint, RemovesOnlyItsOwnStaleTemporaries) {
 // A writer in another PID namespace has a pid that is dead here: the lock it holds on its
 // temporary (as write_file_atomically does while it writes) keeps the file.
 TEST(Checkpoint, ALockedTemporaryOfAnUnknownPidIsKept) {
-  fs::path dir = temp_dir("locked");
+  const ScratchDir scratch("ckpt-locked");
+  const fs::path& dir = scratch.path();
   const fs::path tmp = dir / ".checkpoint-00000004.fbx.tmp.999999999";
   std::ofstream(tmp) << "x";
   const int fd = ::open(tmp.c_str(), O_RDONLY);
@@ -379,7 +382,8 @@ TEST(Checkpoint, ALockedTemporaryOfAnUnknownPidIsKept) {
 // "latest" follows the pointer written after each save (it survives copies that reset
 // modification times), and is the highest step in a folder without one.
 TEST(Checkpoint, LatestFollowsThePointerElseTheHighestStep) {
-  fs::path dir = temp_dir("latest");
+  const ScratchDir scratch("ckpt-latest");
+  const fs::path& dir = scratch.path();
   EXPECT_FALSE(latest_checkpoint(dir).has_value());
   Checkpoint c;
   c.model["w"] = at::ones({1});

@@ -4,6 +4,7 @@
 
 #include <fstream>
 
+#include "../scratch_dir.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
 
@@ -11,6 +12,7 @@ namespace fs = std::filesystem;
 using fusebox::Error;
 using fusebox::LoaderOptions;
 using fusebox::PluginRegistry;
+using fusebox::testing::ScratchDir;
 
 namespace {
 
@@ -34,14 +36,12 @@ std::string error_of(F&& f) {
   return "";
 }
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d =
-      fs::temp_directory_path() / ("fusebox_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  fs::permissions(d, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
-                         fs::perms::others_read | fs::perms::others_exec);
-  return d;
+// The loader refuses a plugin in a folder that others may write to; a umask of 002 would make one.
+const fs::path& private_dir(const ScratchDir& scratch) {
+  fs::permissions(scratch.path(), fs::perms::owner_all | fs::perms::group_read |
+                                      fs::perms::group_exec | fs::perms::others_read |
+                                      fs::perms::others_exec);
+  return scratch.path();
 }
 
 const fs::path kPlugins = FUSEBOX_PLUGIN_DIR;
@@ -70,7 +70,8 @@ TEST(PluginRegistry, DefaultDirIsBesideTheProgramAndCwdIsNotSearched) {
   ASSERT_EQ(path.size(), 1u);
   EXPECT_EQ(fs::canonical(path[0]), fs::canonical(kPlugins));
   // A plugin copied into the current directory is not found by file name.
-  fs::path dir = temp_dir("cwd");
+  const ScratchDir scratch("registry-cwd");
+  const fs::path& dir = private_dir(scratch);
   fs::copy_file(kPlugins / "sgd.so", dir / "cwd_only.so");
   fs::path old = fs::current_path();
   fs::current_path(dir);
@@ -100,7 +101,8 @@ TEST(PluginRegistry, MissingFile) {
 }
 
 TEST(PluginRegistry, TextFileNamedSo) {
-  fs::path dir = temp_dir("text");
+  const ScratchDir scratch("registry-text");
+  const fs::path& dir = private_dir(scratch);
   std::ofstream(dir / "fake.so") << "this is not a library\n";
   PluginRegistry reg(only({}));
   std::string msg = error_of([&] { reg.load_file((dir / "fake.so").string()); });
@@ -108,7 +110,8 @@ TEST(PluginRegistry, TextFileNamedSo) {
 }
 
 TEST(PluginRegistry, ElfForAnotherArchitecture) {
-  fs::path dir = temp_dir("arch");
+  const ScratchDir scratch("registry-arch");
+  const fs::path& dir = private_dir(scratch);
   // A 64-bit little-endian ELF header claiming to be for a different machine than this one.
   unsigned char h[64] = {0x7f, 'E', 'L', 'F', 2, 1, 1};
   h[16] = 3;                       // ET_DYN
@@ -191,7 +194,8 @@ TEST(PluginRegistry, ListReportsBrokenFilesSeparately) {
 }
 
 TEST(PluginRegistry, WritableByOthersIsRefusedUnlessAllowed) {
-  fs::path dir = temp_dir("insecure");
+  const ScratchDir scratch("registry-insecure");
+  const fs::path& dir = private_dir(scratch);
   fs::copy_file(kPlugins / "sgd.so", dir / "sgd.so");
   fs::permissions(dir / "sgd.so", fs::perms::others_write, fs::perm_options::add);
   PluginRegistry strict(only({}));
@@ -314,7 +318,8 @@ TEST(PluginRegistry, ProgramsElsewhereFindThePluginsBesideTheCoreLibrary) {
     EXPECT_EQ(registry.load_by_name("sgd")->info().name, "sgd");
     return;
   }
-  const fs::path dir = temp_dir("other_program");
+  const ScratchDir scratch("registry-other-program");
+  const fs::path& dir = private_dir(scratch);
   struct Remove {  // also when an assertion ends the test early: the copy is a whole test binary
     fs::path d;
     ~Remove() {
@@ -343,7 +348,8 @@ TEST(PluginRegistry, ProgramsElsewhereFindThePluginsBesideTheCoreLibrary) {
 // would map it and die of SIGBUS on the missing pages, taking the program, or a --list-plugins
 // scan of its folder, with it.
 TEST(PluginRegistry, ATruncatedPluginIsRefusedBeforeTheLoaderMapsIt) {
-  fs::path dir = temp_dir("truncated");
+  const ScratchDir scratch("registry-truncated");
+  const fs::path& dir = private_dir(scratch);
   {
     std::ifstream in(kPlugins / "sgd.so", std::ios::binary);
     std::string head(5000, '\0');

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "../scratch_dir.h"
 #include "fusebox/core/distributed.h"
 
 extern char** environ;
@@ -37,25 +38,9 @@ std::string read_text(const std::string& path) {
   return s.str();
 }
 
-class Dir {
+class Dir : public fusebox::testing::ScratchDir {
  public:
-  Dir()
-      : path_(fs::temp_directory_path() /
-              ("fusebox-dist-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++))) {
-    fs::create_directories(path_);
-  }
-  ~Dir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& n) const { return (path_ / n).string(); }
-
- private:
-  static int& counter() {
-    static int c = 0;
-    return c;
-  }
-  fs::path path_;
+  Dir() : ScratchDir("dist") {}
 };
 
 struct Proc {

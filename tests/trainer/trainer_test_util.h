@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../scratch_dir.h"
 #include "app.h"
 
 namespace fusebox::trainer::testing {
@@ -32,28 +33,14 @@ inline Result run_trainer(std::vector<std::string> args) {
 }
 
 /// A fresh folder removed at the end of the test.
-class TempDir {
+class TempDir : public ::fusebox::testing::ScratchDir {
  public:
-  TempDir() {
-    std::random_device rd;
-    path_ = std::filesystem::temp_directory_path() /
-            ("fusebox-trainer-test-" + std::to_string(::getpid()) + "-" + std::to_string(rd()));
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  std::string str() const { return path_.string(); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
+  TempDir() : ScratchDir("trainer-test") {}
   /// Writes `text` to `name` and returns the path.
   std::string write(const std::string& name, const std::string& text) const {
     std::ofstream(file(name)) << text;
     return file(name);
   }
-
- private:
-  std::filesystem::path path_;
 };
 
 inline std::string read_text(const std::string& path) {
