@@ -170,6 +170,9 @@ bool distributed_available() { return true; }
 std::shared_ptr<Communicator> connect(const DistributedConfig& c) {
   const std::string where =
       "MASTER_ADDR=" + c.master_addr + " MASTER_PORT=" + std::to_string(c.master_port);
+  // The rank goes after what failed: the trainer starts a rank's error lines with "rank N: ".
+  const std::string as_rank =
+      "rank " + std::to_string(c.rank) + " of " + std::to_string(c.world_size);
   if (c.world_size < 1 || c.rank < 0 || c.rank >= c.world_size)
     throw Error("distributed: rank " + std::to_string(c.rank) + " is outside world size " +
                 std::to_string(c.world_size));
@@ -198,8 +201,8 @@ std::shared_ptr<Communicator> connect(const DistributedConfig& c) {
       store = c10::make_intrusive<c10d::TCPStore>(c.master_addr, so);
     }
   } catch (const std::exception& e) {
-    throw DistributedError("rank " + std::to_string(c.rank) + " could not join the rendezvous at " +
-                           where + " within " + seconds(c.timeout) + ": " + first_line(e.what()) +
+    throw DistributedError("could not join the rendezvous at " + where + " as " + as_rank +
+                           " within " + seconds(c.timeout) + ": " + first_line(e.what()) +
                            (c.rank == 0 ? " (is the port free, and did every rank start?)"
                                         : " (is rank 0 running and reachable?)"));
   }
@@ -215,9 +218,8 @@ std::shared_ptr<Communicator> connect(const DistributedConfig& c) {
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, c.rank, c.world_size, opts);
     return std::make_shared<C10dCommunicator>(pg, c);
   } catch (const std::exception& e) {
-    throw DistributedError("rank " + std::to_string(c.rank) +
-                           " could not connect to the other ranks (" + where +
-                           "): " + first_line(e.what()));
+    throw DistributedError("could not connect to the other ranks (" + where + ") as " + as_rank +
+                           ": " + first_line(e.what()));
   }
 }
 

@@ -314,6 +314,7 @@ TEST(Distributed, AMissingRankZeroIsAClearRendezvousError) {
   const std::string log = read_text(p1.log);
   EXPECT_NE(log.find("could not join the rendezvous at MASTER_ADDR=127.0.0.1"), std::string::npos)
       << log;
+  EXPECT_NE(log.find(" as rank 1 of 2 within 2 s: "), std::string::npos) << log;
   EXPECT_EQ(std::count(log.begin(), log.end(), '\n'), 1) << log;
 }
 

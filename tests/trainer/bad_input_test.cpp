@@ -30,6 +30,15 @@ std::string replace_all(std::string s, const std::string& from, const std::strin
   return s;
 }
 
+// A TorchScript archive whose pickles pop an empty stack: LibTorch's reader dies of SIGSEGV.
+void write_malformed_script(const std::string& path) {
+  caffe2::serialize::PyTorchStreamWriter writer(path);
+  const std::string constants = "\x80\x02R.", data = "\x80\x02}.";
+  writer.writeRecord("constants.pkl", constants.data(), constants.size());
+  writer.writeRecord("data.pkl", data.data(), data.size());
+  writer.writeEndOfFile();
+}
+
 }  // namespace
 
 TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
@@ -53,13 +62,7 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
   tmp.write("corrupt.fbx", "FUSEBOX-CKPT but then garbage");
   tmp.write("a_file", "x");
   ASSERT_EQ(::mkfifo(tmp.file("fifo").c_str(), 0600), 0);
-  {  // a TorchScript archive whose pickles pop an empty stack: LibTorch's reader dies of SIGSEGV
-    caffe2::serialize::PyTorchStreamWriter writer(tmp.file("malformed_script.pt"));
-    const std::string constants = "\x80\x02R.", data = "\x80\x02}.";
-    writer.writeRecord("constants.pkl", constants.data(), constants.size());
-    writer.writeRecord("data.pkl", data.data(), data.size());
-    writer.writeEndOfFile();
-  }
+  write_malformed_script(tmp.file("malformed_script.pt"));
   fs::create_symlink(tmp.file("loop2"), tmp.file("loop1"));
   fs::create_symlink(tmp.file("loop1"), tmp.file("loop2"));
   {  // a plugin cut short by an interrupted copy
@@ -240,6 +243,24 @@ TEST(TrainerErrors, AnErrorLineIsWrittenInOnePiece) {
   EXPECT_EQ(code, 2);
   ASSERT_EQ(recorder.pieces.size(), 1u);
   EXPECT_EQ(recorder.pieces[0], "trainer: error: --max-train-steps: must be at least 1, got 0\n");
+}
+
+// The line written when LibTorch's reader crashes on a model script is held to the same rules as
+// every other error line: it says which rank of a job it came from, and it is one line.
+TEST(TrainerBadInput, AReaderCrashInARankIsOneLineNamingTheRank) {
+  TempDir tmp;
+  write_malformed_script(tmp.file("bad\nscript.pt"));
+  const auto r = run_program("--model-script '" + tmp.file("bad\nscript.pt") +
+                                 "' --optimizer sgd --threads 1 --nproc-per-node 2 "
+                                 "--dist-timeout 60 --output-dir " +
+                                 tmp.file("out"),
+                             tmp.str());
+  EXPECT_EQ(r.code, 2) << r.err;
+  const std::string line = "model script " + tmp.str() +
+                           "/bad\\nscript.pt cannot be loaded: LibTorch's reader crashed on it";
+  EXPECT_NE(r.err.find("trainer: error: rank 0: " + line), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("trainer: error: rank 1: " + line), std::string::npos) << r.err;
+  EXPECT_EQ(count_lines(r.err), 2) << r.err;
 }
 
 // [[runs]]: a name is one folder name, and every run is checked before the first one trains.

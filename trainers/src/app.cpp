@@ -368,22 +368,13 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   return kExitOk;
 }
 
-// An error is one line even when what it names (a path, a value) holds a line break.
-std::string one_line(const std::string& text) {
-  std::string out;
-  for (char ch : text) out += ch == '\n' ? "\\n" : ch == '\r' ? "\\r" : std::string(1, ch);
-  return out;
-}
-
 }  // namespace
 
 int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err,
                  bool terminal) {
   // In a data-parallel job every rank reports its own failure; say which rank it was. Each line
   // goes out in one write: the ranks share stderr, and lines written piece by piece interleave.
-  std::string who;
-  if (launched_as_rank())
-    if (const char* r = std::getenv("RANK")) who = std::string("rank ") + r + ": ";
+  const std::string who = rank_label();
   try {
     return run(args, out, err, terminal);
   } catch (const TrainingFailed& e) {

@@ -49,6 +49,11 @@ bool launched_as_rank() {
   return w && *w;
 }
 
+std::string rank_label() {
+  const char* r = launched_as_rank() ? std::getenv("RANK") : nullptr;
+  return r ? std::string("rank ") + r + ": " : std::string();
+}
+
 int launch_local_ranks(const std::vector<std::string>& args, int64_t nproc, double grace_seconds,
                        std::ostream& err) {
   if (program_path().empty())

@@ -15,6 +15,9 @@ void allow_self_launch();
 /// True when this process already is a rank of a launched job (WORLD_SIZE is set).
 bool launched_as_rank();
 
+/// "rank N: " in a rank of a launched job, else "": each rank's error lines say which it was.
+std::string rank_label();
+
 /// Runs `args` as `nproc` local ranks; returns the exit code for the whole job (rank 0's if it
 /// failed, else the first failure's, else 0). A rank that fails gives the others `grace_seconds`
 /// to stop on their own before they are terminated.

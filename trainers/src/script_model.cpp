@@ -11,6 +11,7 @@
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
+#include "launch.h"
 #include "model.h"
 
 namespace fusebox::trainer {
@@ -128,9 +129,11 @@ class ScriptModel : public Model {
 
 // Reads the module, or throws Error saying why it cannot be.
 torch::jit::Module read_script(const std::string& path, c10::Device device) {
-  const ReadCrashGuard guard("trainer: error: model script " + path +
-                             " cannot be loaded: LibTorch's reader crashed on it (a malformed "
-                             "TorchScript file); save the module again with torch.jit.save");
+  const ReadCrashGuard guard("trainer: error: " + rank_label() +
+                             one_line("model script " + path +
+                                      " cannot be loaded: LibTorch's reader crashed on it (a "
+                                      "malformed TorchScript file); save the module again with "
+                                      "torch.jit.save"));
   try {
     return torch::jit::load(path, device);
   } catch (const std::exception& e) {
