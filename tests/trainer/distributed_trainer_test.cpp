@@ -76,6 +76,24 @@ TEST(TrainerDistributed, TwoRanksTrainLikeOneProcessInEveryMode) {
   }
 }
 
+// A warning about the settings is printed once in a job, not by the launcher and every rank.
+TEST(TrainerDistributed, ASettingsWarningIsPrintedOnce) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  const Result r = train(d, "warn",
+                         common("sgd", 2) +
+                             " --nproc-per-node 2 --lr-scheduler linear "
+                             "--lr-warmup-steps 2 --mixed-precision fp16 --dtype float32");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(count_lines(r.err), 2) << r.err;
+  EXPECT_NE(r.err.find("trainer: warning: --lr-warmup-steps 2 is not below --max-train-steps 2"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("trainer: warning: --mixed-precision fp16: fp16 autocast is CUDA only"),
+            std::string::npos)
+      << r.err;
+}
+
 TEST(TrainerDistributed, ThreeRanksWithShardedStateTrainLikeOneProcess) {
   if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
   TempDir d;

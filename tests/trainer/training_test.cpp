@@ -129,6 +129,38 @@ TEST(TrainerTraining, GradientAccumulationAndMetricsFiles) {
     EXPECT_EQ(e.path().string().find(".tmp"), std::string::npos) << e.path();
 }
 
+// A warm-up that the schedule ignores, or one that outlasts the run, is warned of (once) and the
+// run goes on; a warm-up that ends in time is not.
+TEST(TrainerTraining, AWarmUpThatDoesNothingOrNeverEndsIsWarnedOf) {
+  const auto run = [](const std::string& scheduler, const std::string& warmup) {
+    return run_trainer(
+        join(plugin_args("sgd.so"),
+             {"--model-width", "8", "--max-train-steps", "3", "--lr-scheduler", scheduler,
+              "--lr-warmup-steps", warmup, "--output-dir", "", "--log-every", "0"}));
+  };
+  auto r = run("constant", "2");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err,
+            "trainer: warning: --lr-warmup-steps 2 has no effect with --lr-scheduler constant, "
+            "which holds the learning rate from the first step; use constant_with_warmup to warm "
+            "up\n");
+  r = run("adafactor", "2");
+  EXPECT_NE(r.err.find("--lr-warmup-steps 2 has no effect with --lr-scheduler adafactor"),
+            std::string::npos)
+      << r.err;
+  r = run("cosine", "3");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err,
+            "trainer: warning: --lr-warmup-steps 3 is not below --max-train-steps 3: the learning "
+            "rate never reaches its set value\n");
+  for (const char* s : {"constant_with_warmup", "linear", "polynomial"}) {
+    r = run(s, "2");
+    EXPECT_EQ(r.err, "") << s;
+  }
+  r = run("constant", "0");
+  EXPECT_EQ(r.err, "");
+}
+
 TEST(TrainerTraining, PluginExceptionsAreReportedAndLeaveNoFiles) {
   TempDir dir;
   auto r = run_trainer(join(plugin_args("tp_step_param_throws.so"),

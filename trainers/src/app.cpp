@@ -290,9 +290,12 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   const int world = launching ? static_cast<int>(nproc) : dist.config.world_size;
   const int local_rank = launching ? static_cast<int>(nproc) - 1 : dist.config.local_rank;
   const int local_ranks = launching ? static_cast<int>(nproc) : dist.config.local_world_size;
+  // The settings' warnings are printed once in a job: by rank 0 (the launcher only checks).
+  std::ostringstream unprinted;
+  std::ostream& warnings = launching || dist.config.rank != 0 ? unprinted : err;
   for (auto& p : plan) {
     try {
-      check_runtime(p.config, world, local_rank, local_ranks, err);
+      check_runtime(p.config, world, local_rank, local_ranks, warnings);
       p.config.output_dir = run_output_dir(p.config.output_dir, p.config.name);
       check_output_dir(p.config.output_dir);
       if (p.config.save_model) {

@@ -266,6 +266,19 @@ void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ra
   if (c.mixed_precision == "fp16" && c.loss_scale == "none")
     warnings << "trainer: warning: --mixed-precision fp16 with --loss-scale none: small "
                 "gradients may underflow to zero (bf16 avoids this)\n";
+  // A warm-up that does nothing, or never ends, is a setting mistake the run would not show
+  // until its learning rates were read afterwards.
+  const std::string in_run = c.name.empty() ? "" : "run '" + c.name + "': ";
+  const std::string warmup = "--lr-warmup-steps " + std::to_string(c.lr_warmup_steps);
+  if (c.lr_warmup_steps > 0 && (c.lr_scheduler == "constant" || c.lr_scheduler == "adafactor"))
+    warnings << ("trainer: warning: " + in_run + warmup + " has no effect with --lr-scheduler " +
+                 c.lr_scheduler + ", which holds the learning rate from the first step" +
+                 (c.lr_scheduler == "constant" ? "; use constant_with_warmup to warm up" : "") +
+                 "\n");
+  else if (c.lr_warmup_steps > 0 && c.lr_warmup_steps >= c.max_train_steps)
+    warnings << ("trainer: warning: " + in_run + warmup + " is not below --max-train-steps " +
+                 std::to_string(c.max_train_steps) +
+                 ": the learning rate never reaches its set value\n");
 }
 
 RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const HyperParams& hp,
