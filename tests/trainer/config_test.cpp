@@ -154,6 +154,12 @@ TEST(TrainerConfig, UnknownCommandLineOptionSuggestsNearest) {
       m, "unknown option '--lerning-rate' (did you mean '--learning-rate'?); see trainer --help");
   m = error_of([] { parse_command_line({"--optimizer-args", "momentum"}); });
   EXPECT_EQ(m, "--optimizer-args: 'momentum' is not key=value");
+  m = error_of([] { parse_command_line({"--optimizer-args", "momentum=0.5", "momentum=0.9"}); });
+  EXPECT_EQ(m, "--optimizer-args: 'momentum' is given twice (0.5 and 0.9); give it once");
+  m = error_of([] {
+    parse_command_line({"--optimizer-args", "lr=1", "--optimizer-args", "momentum=0", "lr=2"});
+  });
+  EXPECT_EQ(m, "--optimizer-args: 'lr' is given twice (1 and 2); give it once");
   m = error_of([] { parse_command_line({"stray"}); });
   EXPECT_NE(m.find("unexpected argument 'stray'"), std::string::npos) << m;
   // No abbreviations: a prefix of an option is not that option.

@@ -488,7 +488,13 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
             a.text = token.substr(eq + 1);
             a.where = label;
             if (a.text.empty()) throw Error(label + ": '" + token + "' has no value");
-            cl.layer.optimizer_args[token.substr(0, eq)] = a;
+            // The later of two would win unseen, as a typo in a long command often does.
+            const std::string key = token.substr(0, eq);
+            if (const auto seen = cl.layer.optimizer_args.find(key);
+                seen != cl.layer.optimizer_args.end())
+              throw Error(label + ": '" + key + "' is given twice (" + seen->second.text + " and " +
+                          a.text + "); give it once");
+            cl.layer.optimizer_args[key] = a;
           }
         } else {
           // Repeated occurrences accumulate; the command line replaces the config's list.
