@@ -361,12 +361,13 @@ void load_merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& 
                   "', which this model does not have: resume with the same model");
   }
   // Each optimizer checks the dict before it changes; when a later one refuses it, the ones
-  // already loaded get their own state back, so a failed load changes no optimizer.
+  // already loaded get their own state back, so a failed load changes no optimizer. The last one
+  // has no later one to fail after it: it needs no copy.
   std::vector<StateDict> before;
   size_t loaded = 0;
   try {
     for (; loaded < optimizers.size(); ++loaded) {
-      before.push_back(optimizers[loaded]->state_dict());
+      if (loaded + 1 < optimizers.size()) before.push_back(optimizers[loaded]->state_dict());
       optimizers[loaded]->load_state_dict(state);
     }
   } catch (...) {
