@@ -81,7 +81,7 @@ void check_permissions(const fs::path& path, bool allow_insecure) {
 // Refuses a file cut short (an interrupted copy or download) whose headers promise more than it
 // holds: the dynamic loader maps such a file and dies of SIGBUS when it touches the missing pages,
 // taking the whole program with it, where a clear error was due.
-void check_elf_extent(const fs::path& path, std::ifstream& in) {
+void check_elf_extent(const fs::path& path, const Elf64_Ehdr& eh, std::ifstream& in) {
   std::error_code ec;
   const uint64_t file_size = fs::file_size(path, ec);
   if (ec) return;
@@ -90,10 +90,7 @@ void check_elf_extent(const fs::path& path, std::ifstream& in) {
                  std::to_string(needs) + " bytes but the file has " + std::to_string(file_size) +
                  " (an interrupted copy?); copy or rebuild it again");
   };
-  Elf64_Ehdr eh{};
-  in.clear();
-  in.seekg(0);
-  if (!in.read(reinterpret_cast<char*>(&eh), sizeof eh)) throw truncated("ELF header", sizeof eh);
+  if (file_size < sizeof eh) throw truncated("ELF header", sizeof eh);
   if (eh.e_ident[EI_DATA] != ELFDATA2LSB) return;  // only this host's byte order is read here
   if (eh.e_phentsize != sizeof(Elf64_Phdr) || eh.e_phnum == 0 || eh.e_phnum == PN_XNUM)
     throw Error("plugin " + path.string() +
@@ -103,6 +100,7 @@ void check_elf_extent(const fs::path& path, std::ifstream& in) {
   if (eh.e_phoff > file_size || table_end > file_size)
     throw truncated("program header table", table_end);
   std::vector<Elf64_Phdr> segments(eh.e_phnum);
+  in.clear();
   in.seekg(static_cast<std::streamoff>(eh.e_phoff));
   if (!in.read(reinterpret_cast<char*>(segments.data()),
                static_cast<std::streamsize>(segments.size() * sizeof(Elf64_Phdr))))
@@ -114,38 +112,16 @@ void check_elf_extent(const fs::path& path, std::ifstream& in) {
   }
 }
 
-// Checks the ELF header ourselves: the loader's messages for non-ELF files are cryptic.
-void check_elf(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("cannot read plugin " + path.string() + ": permission denied or unreadable");
-  unsigned char header[EI_NIDENT + 4] = {};
-  in.read(reinterpret_cast<char*>(header), sizeof(header));
-  if (in.gcount() < static_cast<std::streamsize>(sizeof(header)) ||
-      std::memcmp(header, ELFMAG, SELFMAG) != 0)
-    throw Error("plugin " + path.string() +
-                " is not a shared library (no ELF header); pass a .so built with the fusebox SDK");
-  if (header[EI_CLASS] != ELFCLASS64)
-    throw Error("plugin " + path.string() + " is a 32-bit ELF file; this host needs 64-bit");
-  uint16_t machine = 0;
-  std::memcpy(&machine, header + EI_NIDENT + 2, sizeof(machine));  // e_machine follows e_type
-  if (kHostMachine != 0 && header[EI_DATA] == ELFDATA2LSB && machine != kHostMachine)
-    throw Error("plugin " + path.string() + " is built for another architecture (ELF machine " +
-                std::to_string(machine) + ", this host is " + std::to_string(kHostMachine) +
-                "); rebuild it on this machine");
-  check_elf_extent(path, in);
-}
-
 // The libstdc++ string ABI of a plugin's dynamic symbols: 1 (C++11, std::__cxx11), 0 (the old
 // one, -D_GLIBCXX_USE_CXX11_ABI=0), or -1 when they show neither. Read from the ELF file before
 // it is loaded: a plugin of the other ABI passes std::string across the boundary with another
 // layout and crashes in its first call, whatever its descriptor says.
-int plugin_string_abi(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  Elf64_Ehdr eh{};
-  if (!in.read(reinterpret_cast<char*>(&eh), sizeof eh) || eh.e_ident[EI_DATA] != ELFDATA2LSB ||
-      eh.e_shentsize != sizeof(Elf64_Shdr) || eh.e_shnum == 0 || eh.e_shnum > 65000)
+int plugin_string_abi(const Elf64_Ehdr& eh, std::ifstream& in) {
+  if (eh.e_ident[EI_DATA] != ELFDATA2LSB || eh.e_shentsize != sizeof(Elf64_Shdr) ||
+      eh.e_shnum == 0 || eh.e_shnum > 65000)
     return -1;
   std::vector<Elf64_Shdr> sections(eh.e_shnum);
+  in.clear();
   in.seekg(static_cast<std::streamoff>(eh.e_shoff));
   if (!in.read(reinterpret_cast<char*>(sections.data()),
                static_cast<std::streamsize>(sections.size() * sizeof(Elf64_Shdr))))
@@ -166,10 +142,10 @@ int plugin_string_abi(const fs::path& path) {
   return -1;
 }
 
-void check_string_abi(const fs::path& path) {
+void check_string_abi(const fs::path& path, const Elf64_Ehdr& eh, std::ifstream& in) {
 #if defined(_GLIBCXX_USE_CXX11_ABI)
   const int host = _GLIBCXX_USE_CXX11_ABI ? 1 : 0;
-  const int plugin = plugin_string_abi(path);
+  const int plugin = plugin_string_abi(eh, in);
   if (plugin >= 0 && plugin != host)
     throw Error("plugin " + path.string() +
                 " is built with -D_GLIBCXX_USE_CXX11_ABI=" + std::to_string(plugin) +
@@ -177,8 +153,29 @@ void check_string_abi(const fs::path& path) {
                 " (std::string differs between the two): rebuild the plugin with LibTorch's "
                 "flags (find_package(Fusebox) and fusebox_add_plugin set them)");
 #else
-  (void)path;
+  (void)path, (void)eh, (void)in;
 #endif
+}
+
+// Checks a plugin file before the loader maps it, from one read of its ELF header: the loader's
+// messages for a file that is not a library are cryptic, and some files crash it.
+void check_elf(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("cannot read plugin " + path.string() + ": permission denied or unreadable");
+  Elf64_Ehdr eh{};
+  in.read(reinterpret_cast<char*>(&eh), sizeof eh);
+  if (in.gcount() < static_cast<std::streamsize>(EI_NIDENT + 4) ||
+      std::memcmp(eh.e_ident, ELFMAG, SELFMAG) != 0)
+    throw Error("plugin " + path.string() +
+                " is not a shared library (no ELF header); pass a .so built with the fusebox SDK");
+  if (eh.e_ident[EI_CLASS] != ELFCLASS64)
+    throw Error("plugin " + path.string() + " is a 32-bit ELF file; this host needs 64-bit");
+  if (kHostMachine != 0 && eh.e_ident[EI_DATA] == ELFDATA2LSB && eh.e_machine != kHostMachine)
+    throw Error("plugin " + path.string() + " is built for another architecture (ELF machine " +
+                std::to_string(eh.e_machine) + ", this host is " + std::to_string(kHostMachine) +
+                "); rebuild it on this machine");
+  check_elf_extent(path, eh, in);
+  check_string_abi(path, eh, in);
 }
 
 }  // namespace
@@ -338,7 +335,6 @@ std::shared_ptr<LoadedPlugin> PluginRegistry::load_path(const fs::path& path) {
 
   check_permissions(canonical, options_.allow_insecure);
   check_elf(canonical);
-  check_string_abi(canonical);
 
   auto library = std::make_shared<boost::dll::shared_library>();
   try {
