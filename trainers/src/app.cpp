@@ -349,8 +349,7 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     } catch (const Error& ex) {
       // A set-up error of a later run (its checkpoint, data or model): named, and not "nothing
       // trained" (exit 2) once an earlier run has.
-      const std::string named =
-          (p.config.name.empty() ? "" : "run '" + p.config.name + "': ") + ex.what();
+      const std::string named = p.config.message_prefix() + ex.what();
       if (summaries.empty()) throw Error(named);
       throw TrainingFailed(named + " (after " + std::to_string(summaries.size()) +
                            " earlier run(s) completed)");
@@ -375,28 +374,27 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
 
 int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err,
                  bool terminal) {
-  // In a data-parallel job every rank reports its own failure; say which rank it was. Each line
-  // goes out in one write: the ranks share stderr, and lines written piece by piece interleave.
-  const std::string who = rank_label();
+  // In a data-parallel job every rank reports its own failure, saying which rank it was. Each
+  // line goes out in one write: the ranks share stderr, and lines written piece by piece
+  // interleave.
   try {
     return run(args, out, err, terminal);
   } catch (const TrainingFailed& e) {
     out.flush();
-    err << ("trainer: error: " + who + one_line(e.what()) + "\n") << std::flush;
+    err << error_line(e.what()) << std::flush;
     return kExitTraining;
   } catch (const Error& e) {
     out.flush();
-    err << ("trainer: error: " + who + one_line(e.what()) + "\n") << std::flush;
+    err << error_line(e.what()) << std::flush;
     return kExitUsage;
   } catch (const std::exception& e) {
     out.flush();
-    err << ("trainer: error: " + who + "internal: " + first_line(e.what()) + "\n") << std::flush;
+    err << error_line("internal: " + first_line(e.what())) << std::flush;
     return kExitInternal;
   } catch (...) {
     // Only a plugin throws what is not a std::exception; fusebox itself never does.
     out.flush();
-    err << ("trainer: error: " + who +
-            "internal: something threw a value that is not a std::exception (a plugin?)\n")
+    err << error_line("internal: something threw a value that is not a std::exception (a plugin?)")
         << std::flush;
     return kExitInternal;
   }

@@ -60,6 +60,10 @@ void check_readable_file(const std::string& label, const std::string& path, cons
   if (!in) throw Error(named + " cannot be read");
 }
 
+std::string TrainConfig::message_prefix() const {
+  return name.empty() ? "" : "run '" + name + "': ";
+}
+
 std::string TrainConfig::mode() const {
   if (fused_backward_pass) return "fused";
   if (fused_optimizer_groups > 0) return "groups";

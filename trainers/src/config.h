@@ -66,6 +66,8 @@ struct TrainConfig {
 
   /// "normal", "fused" or "groups".
   std::string mode() const;
+  /// "run 'NAME': " before a message about one of several [[runs]], else "".
+  std::string message_prefix() const;
 };
 
 /// Refuses a file the trainer is to read that is missing, unreachable, a folder, not a regular

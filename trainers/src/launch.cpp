@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "fusebox/core/distributed.h"
+#include "fusebox/core/messages.h"
 #include "fusebox/error.h"
 
 extern char** environ;
@@ -52,6 +53,10 @@ bool launched_as_rank() {
 std::string rank_label() {
   const char* r = launched_as_rank() ? std::getenv("RANK") : nullptr;
   return r ? std::string("rank ") + r + ": " : std::string();
+}
+
+std::string error_line(const std::string& message) {
+  return "trainer: error: " + rank_label() + one_line(message) + "\n";
 }
 
 int launch_local_ranks(const std::vector<std::string>& args, int64_t nproc, double grace_seconds,

@@ -18,6 +18,10 @@ bool launched_as_rank();
 /// "rank N: " in a rank of a launched job, else "": each rank's error lines say which it was.
 std::string rank_label();
 
+/// The line an error gets on stderr: "trainer: error: ", the rank in a job, then `message` with
+/// its line breaks escaped, and a line break.
+std::string error_line(const std::string& message);
+
 /// Runs `args` as `nproc` local ranks; returns the exit code for the whole job (rank 0's if it
 /// failed, else the first failure's, else 0). A rank that fails gives the others `grace_seconds`
 /// to stop on their own before they are terminated.

@@ -268,7 +268,7 @@ void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ra
                 "gradients may underflow to zero (bf16 avoids this)\n";
   // A warm-up that does nothing, or never ends, is a setting mistake the run would not show
   // until its learning rates were read afterwards.
-  const std::string in_run = c.name.empty() ? "" : "run '" + c.name + "': ";
+  const std::string in_run = c.message_prefix();
   const std::string warmup = "--lr-warmup-steps " + std::to_string(c.lr_warmup_steps);
   if (c.lr_warmup_steps > 0 && (c.lr_scheduler == "constant" || c.lr_scheduler == "adafactor"))
     warnings << ("trainer: warning: " + in_run + warmup + " has no effect with --lr-scheduler " +
@@ -286,7 +286,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   // ---- set-up: errors here are configuration problems
   const int world = dist.config.world_size;
   // The start of a failure's message: which run failed (with several [[runs]]).
-  const std::string failed_in = c.name.empty() ? "" : "run '" + c.name + "': ";
+  const std::string failed_in = c.message_prefix();
   if (c.shard_optimizer_state && world == 1)
     con.err << "trainer: warning: --shard-optimizer-state has no effect in a single process\n";
   // Ranks on one machine share its cores unless --threads / --blas-threads say otherwise.

@@ -36,8 +36,7 @@ std::string script_error(const std::string& what) {
 // yet) instead of a crash. Only async-signal-safe calls run in the handler.
 class ReadCrashGuard {
  public:
-  explicit ReadCrashGuard(const std::string& message) {
-    const std::string line = message + "\n";
+  explicit ReadCrashGuard(const std::string& line) {
     std::strncpy(message_, line.c_str(), sizeof(message_) - 2);
     message_[sizeof(message_) - 2] = '\n';
     stack_t alt{};
@@ -129,11 +128,10 @@ class ScriptModel : public Model {
 
 // Reads the module, or throws Error saying why it cannot be.
 torch::jit::Module read_script(const std::string& path, c10::Device device) {
-  const ReadCrashGuard guard("trainer: error: " + rank_label() +
-                             one_line("model script " + path +
-                                      " cannot be loaded: LibTorch's reader crashed on it (a "
-                                      "malformed TorchScript file); save the module again with "
-                                      "torch.jit.save"));
+  const ReadCrashGuard guard(error_line("model script " + path +
+                                        " cannot be loaded: LibTorch's reader crashed on it (a "
+                                        "malformed TorchScript file); save the module again with "
+                                        "torch.jit.save"));
   try {
     return torch::jit::load(path, device);
   } catch (const std::exception& e) {
