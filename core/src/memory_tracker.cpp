@@ -121,11 +121,11 @@ CudaStats cuda_stats() {
   return {s.allocated, s.peak_allocated, s.reserved, s.peak_reserved};
 }
 
-std::string format_bytes(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = bytes;
   int u = 0;
-  while (std::abs(v) >= 1024.0 && u < 4) v /= 1024.0, ++u;
+  while (std::abs(v) >= 1024.0 && u < 6) v /= 1024.0, ++u;
   char buf[32];
   std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
   return buf;

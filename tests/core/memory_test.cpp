@@ -30,6 +30,9 @@ TEST(MemoryTracker, CountsLiveTensorBytesPeaksAndPhases) {
   EXPECT_EQ(phases[1].peak_bytes - base, 4096 + 8192);
   EXPECT_EQ(phases[2].peak_bytes, base);
   EXPECT_EQ(memory::format_bytes(1536), "1.5 KiB");
+  EXPECT_EQ(memory::format_bytes(int64_t{3} << 50), "3.0 PiB");
+  // Beyond int64: an estimate for a model sized by mistake is shown as it is, not wrapped.
+  EXPECT_EQ(memory::format_bytes(8e22), "69388.9 EiB");
 }
 
 TEST(MemoryAccounting, GradientBoundFollowsTheMode) {

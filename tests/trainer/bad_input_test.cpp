@@ -168,6 +168,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"infinite timeout", "--optimizer sgd --dist-timeout inf", "must be finite", 2},
       {"model too large", "--optimizer sgd --model-width 10000000", "cannot build the mlp model",
        2},
+      {"model past int64 bytes", "--optimizer sgd --model-width 99999999999",
+       "parameters need 69388.9 EiB in float32", 2},
       {"batch over ranks", "--optimizer sgd --nproc-per-node 2 --train-batch-size 3",
        "cannot be split evenly over 2 ranks", 2},
       {"not UTF-8", "--optimizer sgd --output-dir {dir}/\xff", "not valid UTF-8", 2},

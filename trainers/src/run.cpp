@@ -10,7 +10,6 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
-#include <limits>
 #include <regex>
 
 #include "checkpoint.h"
@@ -102,11 +101,6 @@ ModelOptions model_options(const TrainConfig& c) {
   return mo;
 }
 
-std::string bytes_text(double bytes) {
-  constexpr double kMax = static_cast<double>(std::numeric_limits<int64_t>::max());
-  return memory::format_bytes(static_cast<int64_t>(std::min(bytes, kMax)));
-}
-
 // Who has the memory `m` counts: "this machine has", or "this process may use" under a cgroup.
 std::string memory_owner(const host::MemoryLimit& m) {
   return m.cgroup_file.empty() ? "this machine has" : "this process may use";
@@ -154,16 +148,16 @@ void check_model_fits(const TrainConfig& c, int local_ranks) {
   std::string ranks;
   if (local_ranks > 1) {
     ranks = " in each of the " + std::to_string(local_ranks) + " ranks on this machine (" +
-            bytes_text(all) + " in all)";
+            memory::format_bytes(all) + " in all)";
     lower.push_back("--nproc-per-node");
   }
-  throw Error(
-      "cannot build the " + c.model + " model: its " + n + " parameters need " + bytes_text(bytes) +
-      (c.full_bf16    ? " as it is built in float32 (before its conversion to bf16)"
-       : element == 8 ? " in float64"
-                      : " in float32") +
-      ranks + ", more than the " + bytes_text(static_cast<double>(memory.bytes)) + " of memory " +
-      memory_owner(memory) + memory_source(memory) + "; lower " + either(lower));
+  throw Error("cannot build the " + c.model + " model: its " + n + " parameters need " +
+              memory::format_bytes(bytes) +
+              (c.full_bf16    ? " as it is built in float32 (before its conversion to bf16)"
+               : element == 8 ? " in float64"
+                              : " in float32") +
+              ranks + ", more than the " + memory::format_bytes(memory.bytes) + " of memory " +
+              memory_owner(memory) + memory_source(memory) + "; lower " + either(lower));
 }
 
 // When `what` is LibTorch's out-of-memory error (the CPU allocator's "can't allocate memory",
@@ -174,10 +168,10 @@ std::string out_of_memory_text(const std::string& what, const TrainConfig& c) {
   std::string asked, where;
   if (std::regex_search(what, m,
                         std::regex("can't allocate memory: you tried to allocate (\\d+)"))) {
-    asked = bytes_text(std::stod(m[1].str()));
+    asked = memory::format_bytes(std::stod(m[1].str()));
     if (const host::MemoryLimit memory = host::usable_memory(); memory.bytes > 0)
-      where = ", and " + memory_owner(memory) + " " +
-              bytes_text(static_cast<double>(memory.bytes)) + memory_source(memory);
+      where = ", and " + memory_owner(memory) + " " + memory::format_bytes(memory.bytes) +
+              memory_source(memory);
   } else if (std::regex_search(
                  what, m, std::regex("out of memory\\. Tried to allocate ([0-9.]+ [KMGTP]?i?B)"))) {
     asked = m[1].str();

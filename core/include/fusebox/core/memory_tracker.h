@@ -41,7 +41,8 @@ struct CudaStats {
 };
 CudaStats cuda_stats();
 
-/// "12.3 MiB"-style rendering of a byte count.
-std::string format_bytes(int64_t bytes);
+/// "12.3 MiB"-style rendering of a byte count, up to EiB. A double, so that an estimate beyond
+/// int64 (a model sized by mistake) is shown as it is rather than wrapped around.
+std::string format_bytes(double bytes);
 
 }  // namespace fusebox::memory
