@@ -2,9 +2,11 @@
 // step size d is estimated from all parameters together, so a step needs every gradient.
 #include <fusebox/sdk.h>
 
+#include "../auto_lr/auto_lr_optimizer.h"
+
 namespace {
 
-class DAdaptAdam final : public fusebox::Optimizer {
+class DAdaptAdam final : public fusebox_plugins::AutoLrOptimizer {
  public:
   static void declare_schema(fusebox::Schema& s) {
     s.real("lr", 1.0, "multiplier of the estimated step size d (keep 1)").above(0);
@@ -24,7 +26,7 @@ class DAdaptAdam final : public fusebox::Optimizer {
   }
 
   DAdaptAdam(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)
-      : Optimizer(std::move(groups), hp),
+      : AutoLrOptimizer(std::move(groups), hp, "dadaptation"),
         beta1_(hp.real_pair("betas").first),
         beta2_(hp.real_pair("betas").second),
         eps_(hp.real("eps")),
@@ -36,28 +38,11 @@ class DAdaptAdam final : public fusebox::Optimizer {
     globals() = {{"d", hp.real("d0")}, {"numerator_weighted", 0.0}, {"d_hat", 0.0}, {"k", 0.0}};
   }
 
-  /// The step size the last step applied (d before that step raised it, times lr and the bias
-  /// correction); before any step, the first step's d0 * lr.
-  double effective_lr(size_t g) const override {
-    if (lr(g) == 0) return 0.0;
-    // A global, so that it is saved: right after a resume it still names the last step's.
-    const auto applied = globals().find("applied_dlr");
-    if (applied != globals().end() && applied->second >= 0) return applied->second;
-    const auto d = globals().find("d");
-    return d == globals().end() ? 0.0 : d->second * lr(g);
-  }
-
   void step() override {
     at::NoGradGuard no_grad;
-    double& d = globals()["d"];
-    double& k = globals()["k"];
-    // Loaded state is checked here, where it is first used (a cast of a bad k is undefined).
-    if (!(d > 0) || !(k >= 0 && k <= 9e15 && k == std::floor(k)))
-      throw fusebox::Error("dadaptation: its state holds d = " + std::to_string(d) +
-                           " and k = " + std::to_string(k) +
-                           " (d is above 0, k a whole step count): a corrupt "
-                           "or foreign state dict; load one this plugin saved");
-    const double lr = fusebox::shared_lr(*this, "dadaptation");
+    double& d = checked_d();
+    double& k = steps_taken();
+    const double lr = shared_lr();
     const int64_t step = static_cast<int64_t>(k) + 1;
     const double bc = fusebox::adam_bias_factor(bias_correction_, beta1_, beta2_, step);
     const double dlr = d * lr * bc, sb = std::sqrt(beta2_);

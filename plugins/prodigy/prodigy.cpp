@@ -2,9 +2,11 @@
 // from the distance travelled from the initial parameters, over all parameters together.
 #include <fusebox/sdk.h>
 
+#include "../auto_lr/auto_lr_optimizer.h"
+
 namespace {
 
-class Prodigy final : public fusebox::Optimizer {
+class Prodigy final : public fusebox_plugins::AutoLrOptimizer {
  public:
   static void declare_schema(fusebox::Schema& s) {
     s.real("lr", 1.0, "multiplier of the estimated step size d (keep 1)").above(0);
@@ -31,7 +33,7 @@ class Prodigy final : public fusebox::Optimizer {
   }
 
   Prodigy(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)
-      : Optimizer(std::move(groups), hp),
+      : AutoLrOptimizer(std::move(groups), hp, "prodigy"),
         beta1_(hp.real_pair("betas").first),
         beta2_(hp.real_pair("betas").second),
         beta3_(hp.is_set("beta3") ? hp.real("beta3") : std::sqrt(beta2_)),
@@ -48,29 +50,12 @@ class Prodigy final : public fusebox::Optimizer {
     globals() = {{"d", d0_}, {"d_max", d0_}, {"d_hat", 0.0}, {"d_numerator", 0.0}, {"k", 0.0}};
   }
 
-  /// The step size the last step applied (d before that step raised it, times lr and the bias
-  /// correction); before any step, the first step's d0 * lr.
-  double effective_lr(size_t g) const override {
-    if (lr(g) == 0) return 0.0;
-    // A global, so that it is saved: right after a resume it still names the last step's.
-    const auto applied = globals().find("applied_dlr");
-    if (applied != globals().end() && applied->second >= 0) return applied->second;
-    const auto d = globals().find("d");
-    return d == globals().end() ? 0.0 : d->second * lr(g);
-  }
-
   void step() override {
     at::NoGradGuard no_grad;
-    double& d = globals()["d"];
-    double& k = globals()["k"];
-    // Loaded state is checked here, where it is first used (a cast of a bad k is undefined).
-    if (!(d > 0) || !(k >= 0 && k <= 9e15 && k == std::floor(k)))
-      throw fusebox::Error("prodigy: its state holds d = " + std::to_string(d) +
-                           " and k = " + std::to_string(k) +
-                           " (d is above 0, k a whole step count): a corrupt "
-                           "or foreign state dict; load one this plugin saved");
+    double& d = checked_d();
+    double& k = steps_taken();
     check_loaded_slices();
-    const double lr = fusebox::shared_lr(*this, "prodigy");
+    const double lr = shared_lr();
     const int64_t step = static_cast<int64_t>(k) + 1;
     const double bc = fusebox::adam_bias_factor(bias_correction_, beta1_, beta2_, step);
     const double dlr = d * lr * bc;
