@@ -170,6 +170,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
        2},
       {"model past int64 bytes", "--optimizer sgd --model-width 99999999999",
        "parameters need 69388.9 EiB in float32", 2},
+      {"attention past memory", "--optimizer sgd --model transformer --seq-len 1000000",
+       "one block's attention scores (8 sequences x 4 heads x 1000000^2) need 116.4 TiB", 2},
       {"batch over ranks", "--optimizer sgd --nproc-per-node 2 --train-batch-size 3",
        "cannot be split evenly over 2 ranks", 2},
       {"not UTF-8", "--optimizer sgd --output-dir {dir}/\xff", "not valid UTF-8", 2},

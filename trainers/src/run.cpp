@@ -160,6 +160,36 @@ void check_model_fits(const TrainConfig& c, int local_ranks) {
               memory_owner(memory) + memory_source(memory) + "; lower " + either(lower));
 }
 
+// The transformer's attention scores grow with the square of --seq-len: one block's scores for one
+// micro-batch must exist at once, so a size whose scores alone cannot fit in host memory is refused
+// before anything is built (else the first step fills memory for minutes before it fails). On CUDA
+// the scores live in GPU memory, whose out-of-memory error comes at once.
+void check_attention_fits(const TrainConfig& c, int world, int local_ranks) {
+  if (c.model_script || c.model != "transformer" || c.device != "cpu") return;
+  const host::MemoryLimit memory = host::usable_memory();
+  if (memory.bytes <= 0) return;
+  const double element = c.dtype == "float64"                        ? 8
+                         : c.mixed_precision == "no" && !c.full_bf16 ? 4
+                                                                     : 2;
+  const double batch = static_cast<double>(c.train_batch_size / std::max(1, world));
+  const double positions = static_cast<double>(c.seq_len) * static_cast<double>(c.seq_len);
+  const double bytes = batch * static_cast<double>(c.model_heads) * positions * element;
+  const double all = bytes * std::max(1, local_ranks);
+  if (all <= static_cast<double>(memory.bytes)) return;
+  std::string ranks, lower = "--train-batch-size or --seq-len";
+  if (local_ranks > 1) {
+    ranks = " in each of the " + std::to_string(local_ranks) + " ranks on this machine (" +
+            memory::format_bytes(all) + " in all)";
+    lower = "--train-batch-size, --seq-len or --nproc-per-node";
+  }
+  throw Error("cannot train the transformer: one block's attention scores (" +
+              std::to_string(static_cast<int64_t>(batch)) + " sequences x " +
+              std::to_string(c.model_heads) + " heads x " + std::to_string(c.seq_len) +
+              "^2) need " + memory::format_bytes(bytes) + ranks + ", more than the " +
+              memory::format_bytes(memory.bytes) + " of memory " + memory_owner(memory) +
+              memory_source(memory) + "; lower " + lower);
+}
+
 // When `what` is LibTorch's out-of-memory error (the CPU allocator's "can't allocate memory",
 // CUDA's "out of memory"), one line: how much was asked for, how much memory there is, and the
 // options that lower the need. Empty for any other error.
@@ -242,6 +272,7 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
 void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ranks,
                    std::ostream& warnings) {
   check_model_fits(c, local_ranks);
+  check_attention_fits(c, world, local_ranks);
   if (world > 1 && c.train_batch_size % world != 0)
     throw Error("--train-batch-size " + std::to_string(c.train_batch_size) +
                 " cannot be split evenly over " + std::to_string(world) +
