@@ -148,6 +148,55 @@ MemoryLimit usable_memory() {
   return m;
 }
 
+namespace {
+
+// The number after `key` in a "key value" listing (memory.stat, /proc/meminfo's "Key: N kB").
+bool read_field(const std::string& text, const std::string& key, int64_t& out) {
+  std::istringstream in(text);
+  std::string k;
+  long long v = 0;
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream fields(line);
+    if (fields >> k >> v && k == key && v >= 0) {
+      out = v;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+int64_t available_memory(const CgroupSources& sources, const std::string& meminfo) {
+  int64_t lowest = -1;
+  const std::string info = read_text(meminfo);
+  int64_t avail_kib = 0, swap_kib = 0;
+  if (read_field(info, "MemAvailable:", avail_kib)) {
+    read_field(info, "SwapFree:", swap_kib);
+    lowest = (avail_kib + swap_kib) * 1024;
+  }
+  // The page cache charged to a cgroup (active and inactive file pages) is given back under
+  // pressure before the cgroup's out-of-memory killer acts.
+  const auto consider = [&](const std::string& dir, const char* limit_file, const char* usage_file,
+                            const char* active_key, const char* inactive_key) {
+    int64_t limit = 0, usage = 0, active = 0, inactive = 0;
+    if (!read_number(dir + limit_file, limit) || limit >= kNoLimit) return;
+    if (!read_number(dir + usage_file, usage)) usage = 0;  // 0 reads as "none" too
+    const std::string stat = read_text(dir + "/memory.stat");
+    read_field(stat, active_key, active);
+    read_field(stat, inactive_key, inactive);
+    const int64_t headroom =
+        std::max<int64_t>(0, limit - usage + std::min(active + inactive, usage));
+    if (lowest < 0 || headroom < lowest) lowest = headroom;
+  };
+  for (const std::string& d : cgroup_folders(sources, "memory", true))
+    consider(d, "/memory.max", "/memory.current", "active_file", "inactive_file");
+  for (const std::string& d : cgroup_folders(sources, "memory", false))
+    consider(d, "/memory.limit_in_bytes", "/memory.usage_in_bytes", "total_active_file",
+             "total_inactive_file");
+  return lowest;
+}
+
 double cgroup_cpu_quota(const CgroupSources& sources) {
   double lowest = 0;
   const auto consider = [&](int64_t quota, int64_t period) {

@@ -5,6 +5,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <mutex>
 #include <unordered_map>
@@ -21,6 +23,9 @@ struct Counters {
   int64_t current = 0, peak = 0;
   std::vector<PhasePeak> phases;  // first-seen order
   size_t active = 0;              // index into phases (valid when phases is not empty)
+  // The guard (set_cpu_guard): `limit` is current + free - reserve as of the last reading.
+  std::function<int64_t()> available;
+  int64_t reserve = 0, limit = 0;
 };
 
 Counters& counters() {
@@ -42,11 +47,31 @@ void count_free(void* ptr) {
   c10::free_cpu(ptr);
 }
 
+// Throws when the guard is set and `nbytes` more would leave less than its reserve free. Called
+// with c.mu held.
+void check_guard(Counters& c, size_t nbytes) {
+  constexpr int64_t kLarge = int64_t{64} << 20;
+  if (!c.available) return;
+  const int64_t n = static_cast<int64_t>(std::min<size_t>(nbytes, INT64_MAX / 4));
+  if (c.current + n <= c.limit && n < kLarge) return;
+  const int64_t free_now = c.available();
+  if (free_now < 0) return;
+  c.limit = c.current + free_now - c.reserve;
+  if (c.current + n <= c.limit) return;
+  TORCH_CHECK(false, kGuardRefusal, nbytes, " bytes: ", free_now, " bytes are free (", c.reserve,
+              " kept in reserve) and this process's tensors hold ", c.current,
+              " bytes; the kernel would end the process when that memory ran out");
+}
+
 class CountingAllocator final : public compat::AllocatorBase {
  public:
   c10::DataPtr allocate_bytes(size_t nbytes) const override {
-    void* ptr = c10::alloc_cpu(nbytes);
     Counters& c = counters();
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      check_guard(c, nbytes);
+    }
+    void* ptr = c10::alloc_cpu(nbytes);
     {
       std::lock_guard<std::mutex> lock(c.mu);
       c.sizes[ptr] = nbytes;
@@ -78,6 +103,14 @@ void install_cpu_tracking() {
 }
 
 bool cpu_tracking_installed() { return g_installed; }
+
+void set_cpu_guard(std::function<int64_t()> available, int64_t reserve) {
+  Counters& c = counters();
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.available = std::move(available);
+  c.reserve = std::max<int64_t>(0, reserve);
+  c.limit = 0;  // read afresh at the next allocation
+}
 
 int64_t current_bytes() {
   std::lock_guard<std::mutex> lock(counters().mu);

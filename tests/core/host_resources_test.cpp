@@ -169,6 +169,53 @@ TEST(HostResources, TheMountShowingTheCgroupIsReadAndNoOther) {
     expect_unlimited(h.sources(other_only, odd), odd);
 }
 
+// What may still be taken: MemAvailable plus free swap, lowered to the headroom of any cgroup with
+// a limit (limit - usage + its page cache), the innermost or an ancestor, v2 or v1.
+TEST(HostResources, AvailableMemoryIsTheFreeMemoryOrTheLowestCgroupHeadroom) {
+  FakeHost h;
+  const std::string meminfo = h.path("/proc/meminfo");
+  h.write(
+      "/proc/meminfo",
+      "MemTotal:       16000000 kB\nMemFree:          100000 kB\n"
+      "MemAvailable:    4000000 kB\nSwapTotal:       1000000 kB\nSwapFree:          96000 kB\n");
+  CgroupSources s = h.sources(kV2Mounts, "0::/user.slice/job.scope\n");
+  EXPECT_EQ(fusebox::host::available_memory(s, meminfo), int64_t{4096000} * 1024);
+
+  // 3 GiB on the parent with 2.5 GiB used, of which 256 MiB is page cache: 768 MiB are left.
+  h.write("/sys/fs/cgroup/user.slice/job.scope/memory.max", "max\n");
+  h.write("/sys/fs/cgroup/user.slice/memory.max", "3221225472\n");
+  h.write("/sys/fs/cgroup/user.slice/memory.current", "2684354560\n");
+  h.write("/sys/fs/cgroup/user.slice/memory.stat",
+          "anon 2415919104\nfile 268435456\nactive_file 134217728\ninactive_file 134217728\n");
+  EXPECT_EQ(fusebox::host::available_memory(s, meminfo), int64_t{768} << 20);
+  // A cgroup over its limit has no headroom; the machine's reading is lower still without swap.
+  h.write("/sys/fs/cgroup/user.slice/memory.current", "4294967296\n");
+  h.write("/sys/fs/cgroup/user.slice/memory.stat", "anon 4294967296\n");
+  EXPECT_EQ(fusebox::host::available_memory(s, meminfo), 0);
+  h.write("/sys/fs/cgroup/user.slice/memory.max", "max\n");
+  h.write("/proc/meminfo", "MemAvailable:        512 kB\n");
+  EXPECT_EQ(fusebox::host::available_memory(s, meminfo), 512 * 1024);
+
+  // v1 names the same numbers otherwise.
+  const CgroupSources v1 = h.sources(
+      "22 1 0:21 / / rw - ext4 /dev/vda rw\n"
+      "34 22 0:31 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n",
+      "12:memory:/batch\n");
+  h.write("/proc/meminfo", "MemAvailable:    4000000 kB\n");
+  h.write("/sys/fs/cgroup/memory/batch/memory.limit_in_bytes", "1073741824\n");
+  h.write("/sys/fs/cgroup/memory/batch/memory.usage_in_bytes", "1006632960\n");
+  h.write("/sys/fs/cgroup/memory/batch/memory.stat",
+          "cache 0\ntotal_active_file 33554432\ntotal_inactive_file 0\n");
+  EXPECT_EQ(fusebox::host::available_memory(v1, meminfo), int64_t{96} << 20);
+
+  // Nothing to read: unknown.
+  CgroupSources missing;
+  missing.mountinfo = h.path("/nothing"), missing.cgroup = h.path("/nothing");
+  EXPECT_EQ(fusebox::host::available_memory(missing, h.path("/nothing")), -1);
+  // This machine's own reading exists and is at most its memory and swap.
+  EXPECT_GT(fusebox::host::available_memory(), 0);
+}
+
 TEST(HostResources, UsableMemoryIsAtMostThePhysicalMemory) {
   const auto m = fusebox::host::usable_memory();
   const int64_t physical =

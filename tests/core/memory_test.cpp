@@ -35,6 +35,57 @@ TEST(MemoryTracker, CountsLiveTensorBytesPeaksAndPhases) {
   EXPECT_EQ(memory::format_bytes(8e22), "69388.9 EiB");
 }
 
+// The guard refuses an allocation the memory free now cannot hold (less its reserve) before the
+// memory is taken, asks how much is free only when its last answer runs short or the request is
+// large, lets everything through when the answer is unknown, and is removed by an empty function.
+TEST(MemoryTracker, TheGuardRefusesWhatTheFreeMemoryCannotHold) {
+  memory::install_cpu_tracking();
+  constexpr int64_t MiB = int64_t{1} << 20;
+  int64_t free_now = 100 * MiB;
+  int asked = 0;
+  struct Unguard {  // also when an assertion ends the test early: the lambda refers to locals
+    ~Unguard() { memory::set_cpu_guard({}, 0); }
+  } unguard;
+  memory::set_cpu_guard(
+      [&] {
+        ++asked;
+        return free_now;
+      },
+      10 * MiB);
+  const int64_t base = memory::current_bytes();
+  at::Tensor a = at::empty({50 * MiB}, at::kByte);  // fits in 100 - 10
+  EXPECT_EQ(asked, 1);
+  at::Tensor small = at::empty({MiB}, at::kByte);  // within the last answer: not asked again
+  EXPECT_EQ(asked, 1);
+  free_now = 40 * MiB;  // what the kernel would say now that a is written
+  try {
+    at::Tensor b = at::empty({50 * MiB}, at::kByte);
+    ADD_FAILURE() << "allocated 50 MiB with 40 MiB free";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind(std::string(memory::kGuardRefusal) + std::to_string(50 * MiB) +
+                             " bytes: " + std::to_string(40 * MiB) + " bytes are free (" +
+                             std::to_string(10 * MiB) +
+                             " kept in reserve) and this process's "
+                             "tensors hold " +
+                             std::to_string(base + 51 * MiB) + " bytes",
+                         0),
+              0u)
+        << what;
+  }
+  EXPECT_EQ(asked, 2);
+  EXPECT_EQ(memory::current_bytes(), base + 51 * MiB) << "nothing was taken";
+  at::Tensor c = at::empty({20 * MiB}, at::kByte);  // 40 - 10 free: fits
+  free_now = -1;                                    // unknown: allowed
+  at::Tensor d = at::empty({64 * MiB}, at::kByte);
+  EXPECT_EQ(asked, 3) << "a large request is always checked";
+  free_now = 0;
+  memory::set_cpu_guard({}, 0);
+  at::Tensor e = at::empty({64 * MiB}, at::kByte);
+  EXPECT_EQ(asked, 3) << "the guard is gone";
+  EXPECT_EQ(memory::current_bytes(), base + (51 + 20 + 64 + 64) * MiB);
+}
+
 TEST(MemoryAccounting, GradientBoundFollowsTheMode) {
   LoaderOptions o;
   o.plugin_dirs = {FUSEBOX_PLUGIN_DIR};

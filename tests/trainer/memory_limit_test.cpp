@@ -209,8 +209,40 @@ TEST(TrainerMemoryLimits, AModelLargerThanTheCgroupLimitIsRefusedBeforeItIsBuilt
   EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
 }
 
+// A model that fits but whose batch does not: each allocation alone passes the kernel's overcommit
+// check, and together they would fill the cgroup until its out-of-memory killer ended the run
+// without a word. The memory guard refuses the one that the cgroup's headroom cannot hold.
+TEST(TrainerMemoryLimits, ABatchLargerThanTheCgroupLimitEndsWithAMessageNotAKill) {
+  constexpr int64_t kLimit = int64_t{1} << 30;
+  if (fusebox::host::usable_memory().bytes < 4 * kLimit) GTEST_SKIP() << "a small machine";
+  MemoryCgroup cgroup(kLimit);
+  if (!cgroup.made()) GTEST_SKIP() << "cannot make a memory cgroup here (needs root)";
+  TempDir tmp;
+  // 2^21 samples of 64 floats: 512 MiB for the inputs, as much for each layer's activations.
+  const std::string cmd = "sh -c 'echo $$ > " + cgroup.dir() +
+                          "/cgroup.procs && exec timeout -k 5 600 " + std::string(FUSEBOX_BIN_DIR) +
+                          "/trainer --optimizer sgd --max-train-steps 1 --threads 1 --model mlp "
+                          "--train-batch-size 2097152 --output-dir " +
+                          tmp.file("out") + "' >" + tmp.file("stdout.txt") + " 2>" +
+                          tmp.file("stderr.txt");
+  const int status = std::system(cmd.c_str());
+  const std::string err = read_text(tmp.file("stderr.txt"));
+  ASSERT_TRUE(WIFEXITED(status)) << "killed: " << err;
+  EXPECT_EQ(WEXITSTATUS(status), 3) << err;
+  EXPECT_EQ(count_lines(err), 1) << err;
+  EXPECT_EQ(err.rfind("trainer: error: training failed at step 1: out of memory: it tried to "
+                      "allocate 512.0 MiB at once, but only ",
+                      0),
+            0u)
+      << err;
+  EXPECT_NE(err.find(" of memory is free and the run's tensors hold "), std::string::npos) << err;
+  EXPECT_NE(err.find(" (--memory-guard); lower --train-batch-size"), std::string::npos) << err;
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out/metrics.jsonl")));
+}
+
 // 10^12 samples of 64 floats are 232.8 TiB, more than any address space holds: the allocation is
-// refused at once, without paging, and the message says what to lower.
+// refused at once (by the memory guard, else by the kernel), without paging, and the message says
+// what to lower.
 TEST(TrainerMemoryLimits, RunningOutOfMemoryWhileTrainingIsOneLineNamingTheStep) {
   TempDir tmp;
   const std::string common = "--optimizer sgd --max-train-steps 2 --threads 1 --model-width 64 ";
@@ -222,7 +254,7 @@ TEST(TrainerMemoryLimits, RunningOutOfMemoryWhileTrainingIsOneLineNamingTheStep)
   EXPECT_EQ(r.code, 3) << r.err;
   EXPECT_EQ(count_lines(r.err), 1) << r.err;
   EXPECT_EQ(r.err.rfind("trainer: error: training failed at step 1: out of memory: it tried to "
-                        "allocate 232.8 TiB at once, and this machine has ",
+                        "allocate 232.8 TiB at once, but only ",
                         0),
             0u)
       << r.err;

@@ -127,6 +127,7 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
                                           "device",
                                           "threads",
                                           "blas_threads",
+                                          "memory_guard",
                                           "nproc_per_node",
                                           "dist_timeout",
                                           "dist_bucket_mb",

@@ -132,6 +132,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
 
   c.mixed_precision = r.get<std::string>("mixed-precision");
   c.full_bf16 = r.get<bool>("full-bf16");
+  c.memory_guard = r.get<std::string>("memory-guard") == "on";
   c.dtype = r.get<std::string>("dtype");
   c.device = r.get<std::string>("device");
   c.seed = r.get<int64_t>("seed");

@@ -38,7 +38,8 @@ struct TrainConfig {
   // Precision and device.
   std::string mixed_precision, dtype, device;
   bool full_bf16 = false;
-  std::string loss_scale;  ///< "dynamic", "fixed" or "none" ("auto" resolved)
+  bool memory_guard = true;  ///< --memory-guard on
+  std::string loss_scale;    ///< "dynamic", "fixed" or "none" ("auto" resolved)
   double loss_scale_value = 65536;
   int64_t loss_scale_growth_interval = 2000;
   int64_t seed = 0, threads = 1, blas_threads = 0;

@@ -162,6 +162,11 @@ std::vector<OptionSpec> build_specs() {
                                      "N"));
   at_least(blas_threads, 0), at_most(blas_threads, kMaxThreads);
   blas_threads.derived_default = true;
+  choices(add(opt("memory-guard", Kind::Choice, std::string("on"),
+                  "refuse a CPU allocation the memory free now cannot hold, with a message, "
+                  "rather than be ended by the kernel's out-of-memory killer",
+                  "on|off")),
+          {"on", "off"});
 
   section = "Distributed (data parallel, c10d)";
   at_least(add(opt("nproc-per-node", Kind::Int, int64_t{1},

@@ -190,6 +190,13 @@ void check_attention_fits(const TrainConfig& c, int world, int local_ranks) {
               memory_source(memory) + "; lower " + lower);
 }
 
+// What the memory guard keeps free for the process's own memory beside its tensors (thread
+// stacks, BLAS buffers, autograd's bookkeeping): 1/16 of the usable memory, at most 256 MiB.
+int64_t guard_reserve() {
+  const int64_t usable = host::usable_memory().bytes;
+  return usable > 0 ? std::min<int64_t>(int64_t{256} << 20, usable / 16) : int64_t{256} << 20;
+}
+
 // When `what` is LibTorch's out-of-memory error (the CPU allocator's "can't allocate memory",
 // CUDA's "out of memory"), one line: how much was asked for, how much memory there is, and the
 // options that lower the need. Empty for any other error.
@@ -197,7 +204,15 @@ std::string out_of_memory_text(const std::string& what, const TrainConfig& c) {
   std::smatch m;
   std::string asked, where;
   if (std::regex_search(what, m,
-                        std::regex("can't allocate memory: you tried to allocate (\\d+)"))) {
+                        std::regex(std::string(memory::kGuardRefusal) +
+                                   "(\\d+) bytes: (\\d+) bytes are free \\(\\d+ kept in "
+                                   "reserve\\) and this process's tensors hold (\\d+) bytes"))) {
+    asked = memory::format_bytes(std::stod(m[1].str()));
+    where = ", but only " + memory::format_bytes(std::stod(m[2].str())) +
+            " of memory is free and the run's tensors hold " +
+            memory::format_bytes(std::stod(m[3].str())) + " (--memory-guard)";
+  } else if (std::regex_search(what, m,
+                               std::regex("can't allocate memory: you tried to allocate (\\d+)"))) {
     asked = memory::format_bytes(std::stod(m[1].str()));
     if (const host::MemoryLimit memory = host::usable_memory(); memory.bytes > 0)
       where = ", and " + memory_owner(memory) + " " + memory::format_bytes(memory.bytes) +
@@ -329,6 +344,11 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       set_compute_threads(static_cast<int>(threads), static_cast<int>(blas_threads));
   at::manual_seed(static_cast<uint64_t>(c.seed));
   memory::mark_phase("setup");
+  // Running out of host memory ends the run with a message, not by the kernel's OOM killer.
+  if (c.memory_guard)
+    memory::set_cpu_guard([] { return host::available_memory(); }, guard_reserve());
+  else
+    memory::set_cpu_guard({}, 0);
   const c10::Device device =
       select_device({c.device, dist.config.local_rank, dist.config.local_world_size});
   const at::ScalarType dtype = param_dtype(c);
@@ -348,9 +368,11 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
+    const std::string what = c.model_script ? std::string("script model") : c.model;
+    if (const std::string oom = out_of_memory_text(e.what(), c); !oom.empty())
+      throw Error("cannot build the " + what + " model and its data: " + oom);
     // Sizes the machine cannot hold (out of memory, a size overflowing LibTorch's arithmetic).
-    throw Error("cannot build the " + (c.model_script ? std::string("script model") : c.model) +
-                " model and its data: " + first_line(e.what()) +
+    throw Error("cannot build the " + what + " model and its data: " + first_line(e.what()) +
                 " (sizes this machine cannot hold? see --model-width, --model-depth, --seq-len, "
                 "--vocab-size, --image-size, --train-batch-size)");
   }

@@ -34,6 +34,13 @@ MemoryLimit cgroup_memory_limit(const CgroupSources& sources = {});
 /// The machine's physical memory, or a lower cgroup memory limit.
 MemoryLimit usable_memory();
 
+/// The memory this process could still take now without the kernel's out-of-memory killer: the
+/// machine's MemAvailable plus free swap (`meminfo`), lowered to the headroom of every cgroup with
+/// a memory limit above this process (limit - usage + its page cache, which is reclaimable; v2
+/// memory.max/current/stat, v1 memory.limit_in_bytes/usage_in_bytes/stat). -1 when unknown.
+int64_t available_memory(const CgroupSources& sources = {},
+                         const std::string& meminfo = "/proc/meminfo");
+
 /// The lowest cgroup CPU quota on this process in cores (v2 cpu.max, v1 cpu.cfs_quota_us over
 /// cpu.cfs_period_us; 1.5 = one and a half cores), or 0 when no quota applies.
 double cgroup_cpu_quota(const CgroupSources& sources = {});

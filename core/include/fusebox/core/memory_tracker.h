@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,17 @@ namespace fusebox::memory {
 void install_cpu_tracking();
 /// True once install_cpu_tracking() has run.
 bool cpu_tracking_installed();
+
+/// Guards against the kernel's out-of-memory killer, which ends a process without a word: a
+/// counted CPU allocation that would leave less than `reserve` bytes of what `available()` says
+/// is free (e.g. host::available_memory; -1: unknown, allowed) is refused, before any memory is
+/// touched, with a c10::Error whose message starts kGuardRefusal. `available` is asked only when
+/// an allocation would pass its last answer or is large (64 MiB or more), so small allocations
+/// cost nothing more. An empty `available` removes the guard.
+void set_cpu_guard(std::function<int64_t()> available, int64_t reserve);
+/// How a refusal by the guard starts: "memory guard: cannot allocate N bytes: M bytes are free
+/// (R kept in reserve) and this process's tensors hold T bytes".
+inline constexpr const char* kGuardRefusal = "memory guard: cannot allocate ";
 
 /// Bytes of live CPU tensors allocated since installation.
 int64_t current_bytes();
