@@ -55,7 +55,10 @@ void check_guard(Counters& c, size_t nbytes) {
   const int64_t n = static_cast<int64_t>(std::min<size_t>(nbytes, INT64_MAX / 4));
   if (c.current + n <= c.limit && n < kLarge) return;
   const int64_t free_now = c.available();
-  if (free_now < 0) return;
+  if (free_now < 0) {  // unknown: allowed, and not asked again for small requests
+    c.limit = INT64_MAX / 2;
+    return;
+  }
   c.limit = c.current + free_now - c.reserve;
   if (c.current + n <= c.limit) return;
   TORCH_CHECK(false, kGuardRefusal, nbytes, " bytes: ", free_now, " bytes are free (", c.reserve,

@@ -79,11 +79,13 @@ TEST(MemoryTracker, TheGuardRefusesWhatTheFreeMemoryCannotHold) {
   free_now = -1;                                    // unknown: allowed
   at::Tensor d = at::empty({64 * MiB}, at::kByte);
   EXPECT_EQ(asked, 3) << "a large request is always checked";
+  at::Tensor small2 = at::empty({MiB}, at::kByte);
+  EXPECT_EQ(asked, 3) << "after an unknown answer small requests are not asked about";
   free_now = 0;
   memory::set_cpu_guard({}, 0);
   at::Tensor e = at::empty({64 * MiB}, at::kByte);
   EXPECT_EQ(asked, 3) << "the guard is gone";
-  EXPECT_EQ(memory::current_bytes(), base + (51 + 20 + 64 + 64) * MiB);
+  EXPECT_EQ(memory::current_bytes(), base + (51 + 20 + 64 + 1 + 64) * MiB);
 }
 
 TEST(MemoryAccounting, GradientBoundFollowsTheMode) {
