@@ -52,6 +52,21 @@ class MemoryCgroup {
   ~MemoryCgroup() { clear(); }
   bool made() const { return !dir_.empty(); }
   const std::string& dir() const { return dir_; }
+  // Runs the trainer inside this cgroup with `args`; its stderr is `err`, and `status` is
+  // std::system's (killed or exited).
+  struct Run {
+    int status = 0;
+    std::string err;
+  };
+  Run trainer(const std::string& args, const TempDir& tmp) const {
+    const std::string cmd = "sh -c 'echo $$ > " + dir_ + "/cgroup.procs && exec timeout -k 5 600 " +
+                            std::string(FUSEBOX_BIN_DIR) + "/trainer " + args + "' >" +
+                            tmp.file("stdout.txt") + " 2>" + tmp.file("stderr.txt");
+    Run r;
+    r.status = std::system(cmd.c_str());
+    r.err = read_text(tmp.file("stderr.txt"));
+    return r;
+  }
 
  private:
   static bool write(const std::string& file, const std::string& text) {
@@ -190,14 +205,11 @@ TEST(TrainerMemoryLimits, AModelLargerThanTheCgroupLimitIsRefusedBeforeItIsBuilt
   if (!cgroup.made()) GTEST_SKIP() << "cannot make a memory cgroup here (needs root)";
   TempDir tmp;
   // 1000 layers of 2 GiB in all: twice the limit, well below the machine.
-  const std::string cmd = "sh -c 'echo $$ > " + cgroup.dir() +
-                          "/cgroup.procs && exec timeout -k 5 600 " + std::string(FUSEBOX_BIN_DIR) +
-                          "/trainer --optimizer sgd --max-train-steps 1 --threads 1 --model mlp "
-                          "--model-depth 1000 --model-width 733 --output-dir " +
-                          tmp.file("out") + "' >" + tmp.file("stdout.txt") + " 2>" +
-                          tmp.file("stderr.txt");
-  const int status = std::system(cmd.c_str());
-  const std::string err = read_text(tmp.file("stderr.txt"));
+  const auto [status, err] = cgroup.trainer(
+      "--optimizer sgd --max-train-steps 1 --threads 1 --model mlp --model-depth 1000 "
+      "--model-width 733 --output-dir " +
+          tmp.file("out"),
+      tmp);
   ASSERT_TRUE(WIFEXITED(status)) << "killed: " << err;
   EXPECT_EQ(WEXITSTATUS(status), 2) << err;
   EXPECT_EQ(count_lines(err), 1) << err;
@@ -219,14 +231,11 @@ TEST(TrainerMemoryLimits, ABatchLargerThanTheCgroupLimitEndsWithAMessageNotAKill
   if (!cgroup.made()) GTEST_SKIP() << "cannot make a memory cgroup here (needs root)";
   TempDir tmp;
   // 2^21 samples of 64 floats: 512 MiB for the inputs, as much for each layer's activations.
-  const std::string cmd = "sh -c 'echo $$ > " + cgroup.dir() +
-                          "/cgroup.procs && exec timeout -k 5 600 " + std::string(FUSEBOX_BIN_DIR) +
-                          "/trainer --optimizer sgd --max-train-steps 1 --threads 1 --model mlp "
-                          "--train-batch-size 2097152 --output-dir " +
-                          tmp.file("out") + "' >" + tmp.file("stdout.txt") + " 2>" +
-                          tmp.file("stderr.txt");
-  const int status = std::system(cmd.c_str());
-  const std::string err = read_text(tmp.file("stderr.txt"));
+  const auto [status, err] = cgroup.trainer(
+      "--optimizer sgd --max-train-steps 1 --threads 1 --model mlp --train-batch-size 2097152 "
+      "--output-dir " +
+          tmp.file("out"),
+      tmp);
   ASSERT_TRUE(WIFEXITED(status)) << "killed: " << err;
   EXPECT_EQ(WEXITSTATUS(status), 3) << err;
   EXPECT_EQ(count_lines(err), 1) << err;
