@@ -212,7 +212,7 @@ TEST(HostResources, AvailableMemoryIsTheFreeMemoryOrTheLowestCgroupHeadroom) {
   CgroupSources missing;
   missing.mountinfo = h.path("/nothing"), missing.cgroup = h.path("/nothing");
   EXPECT_EQ(fusebox::host::available_memory(missing, h.path("/nothing")), -1);
-  // This machine's own reading exists and is at most its memory and swap.
+  // This machine has its own reading.
   EXPECT_GT(fusebox::host::available_memory(), 0);
 }
 
