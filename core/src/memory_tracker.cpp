@@ -70,13 +70,12 @@ class CountingAllocator final : public compat::AllocatorBase {
  public:
   c10::DataPtr allocate_bytes(size_t nbytes) const override {
     Counters& c = counters();
+    void* ptr = nullptr;
     {
+      // One critical section: the guard's check and the count see the same total.
       std::lock_guard<std::mutex> lock(c.mu);
       check_guard(c, nbytes);
-    }
-    void* ptr = c10::alloc_cpu(nbytes);
-    {
-      std::lock_guard<std::mutex> lock(c.mu);
+      ptr = c10::alloc_cpu(nbytes);
       c.sizes[ptr] = nbytes;
       c.current += static_cast<int64_t>(nbytes);
       if (c.current > c.peak) c.peak = c.current;
