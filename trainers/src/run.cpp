@@ -129,65 +129,63 @@ std::vector<std::string> parameter_options(const TrainConfig& c) {
   return o;
 }
 
-// The built-in model's parameters must fit in the memory this process may use (the machine's, or
-// a lower cgroup limit), or building it would fill the memory layer by layer until the kernel
-// kills the process. Only the parameters are counted (gradients, optimizer state and activations
-// come on top), so what is refused cannot train.
-void check_model_fits(const TrainConfig& c, int local_ranks) {
-  if (c.model_script) return;
-  const host::MemoryLimit memory = host::usable_memory();
-  if (memory.bytes <= 0) return;
-  const double count = builtin_parameter_count(model_options(c));
-  // Built in float32, then converted: float32's bytes are needed even for bf16.
-  const double element = c.dtype == "float64" ? 8 : 4;
-  const double bytes = count * element, all = bytes * std::max(1, local_ranks);
-  if (all <= static_cast<double>(memory.bytes)) return;
-  char n[32];
-  std::snprintf(n, sizeof n, count < 1e9 ? "%.0f" : "%.3g", count);
-  std::vector<std::string> lower = parameter_options(c);
+// Refuses a size whose `bytes` per local rank do not fit in `memory` (the machine's, or a lower
+// cgroup limit): "<head> need X<how>[ in each of the N ranks on this machine (Y in all)], more
+// than the M of memory this machine has; lower <options>" (--nproc-per-node added with ranks).
+void refuse_unless_fits(const host::MemoryLimit& memory, int local_ranks, const std::string& head,
+                        double bytes, const std::string& how, std::vector<std::string> lower) {
+  const double all = bytes * std::max(1, local_ranks);
+  if (memory.bytes <= 0 || all <= static_cast<double>(memory.bytes)) return;
   std::string ranks;
   if (local_ranks > 1) {
     ranks = " in each of the " + std::to_string(local_ranks) + " ranks on this machine (" +
             memory::format_bytes(all) + " in all)";
     lower.push_back("--nproc-per-node");
   }
-  throw Error("cannot build the " + c.model + " model: its " + n + " parameters need " +
-              memory::format_bytes(bytes) +
-              (c.full_bf16    ? " as it is built in float32 (before its conversion to bf16)"
-               : element == 8 ? " in float64"
-                              : " in float32") +
-              ranks + ", more than the " + memory::format_bytes(memory.bytes) + " of memory " +
-              memory_owner(memory) + memory_source(memory) + "; lower " + either(lower));
+  throw Error(head + " need " + memory::format_bytes(bytes) + how + ranks + ", more than the " +
+              memory::format_bytes(memory.bytes) + " of memory " + memory_owner(memory) +
+              memory_source(memory) + "; lower " + either(lower));
+}
+
+// The built-in model's parameters must fit in the memory this process may use, or building it
+// would fill the memory layer by layer until the kernel kills the process. Only the parameters
+// are counted (gradients, optimizer state and activations come on top), so what is refused
+// cannot train.
+void check_model_fits(const TrainConfig& c, const host::MemoryLimit& memory, int local_ranks) {
+  if (c.model_script || memory.bytes <= 0) return;
+  const double count = builtin_parameter_count(model_options(c));
+  // Built in float32, then converted: float32's bytes are needed even for bf16.
+  const double element = c.dtype == "float64" ? 8 : 4;
+  char n[32];
+  std::snprintf(n, sizeof n, count < 1e9 ? "%.0f" : "%.3g", count);
+  refuse_unless_fits(memory, local_ranks,
+                     "cannot build the " + c.model + " model: its " + n + " parameters",
+                     count * element,
+                     c.full_bf16    ? " as it is built in float32 (before its conversion to bf16)"
+                     : element == 8 ? " in float64"
+                                    : " in float32",
+                     parameter_options(c));
 }
 
 // The transformer's attention scores grow with the square of --seq-len: one block's scores for one
 // micro-batch must exist at once, so a size whose scores alone cannot fit in host memory is refused
 // before anything is built (else the first step fills memory for minutes before it fails). On CUDA
 // the scores live in GPU memory, whose out-of-memory error comes at once.
-void check_attention_fits(const TrainConfig& c, int world, int local_ranks) {
+void check_attention_fits(const TrainConfig& c, const host::MemoryLimit& memory, int world,
+                          int local_ranks) {
   if (c.model_script || c.model != "transformer" || c.device != "cpu") return;
-  const host::MemoryLimit memory = host::usable_memory();
-  if (memory.bytes <= 0) return;
   const double element = c.dtype == "float64"                        ? 8
                          : c.mixed_precision == "no" && !c.full_bf16 ? 4
                                                                      : 2;
-  const double batch = static_cast<double>(c.train_batch_size / std::max(1, world));
+  const int64_t batch = c.train_batch_size / std::max(1, world);
   const double positions = static_cast<double>(c.seq_len) * static_cast<double>(c.seq_len);
-  const double bytes = batch * static_cast<double>(c.model_heads) * positions * element;
-  const double all = bytes * std::max(1, local_ranks);
-  if (all <= static_cast<double>(memory.bytes)) return;
-  std::string ranks, lower = "--train-batch-size or --seq-len";
-  if (local_ranks > 1) {
-    ranks = " in each of the " + std::to_string(local_ranks) + " ranks on this machine (" +
-            memory::format_bytes(all) + " in all)";
-    lower = "--train-batch-size, --seq-len or --nproc-per-node";
-  }
-  throw Error("cannot train the transformer: one block's attention scores (" +
-              std::to_string(static_cast<int64_t>(batch)) + " sequences x " +
-              std::to_string(c.model_heads) + " heads x " + std::to_string(c.seq_len) +
-              "^2) need " + memory::format_bytes(bytes) + ranks + ", more than the " +
-              memory::format_bytes(memory.bytes) + " of memory " + memory_owner(memory) +
-              memory_source(memory) + "; lower " + lower);
+  refuse_unless_fits(
+      memory, local_ranks,
+      "cannot train the transformer: one block's attention scores (" + std::to_string(batch) +
+          " sequences x " + std::to_string(c.model_heads) + " heads x " +
+          std::to_string(c.seq_len) + "^2)",
+      static_cast<double>(batch) * static_cast<double>(c.model_heads) * positions * element, "",
+      {"--train-batch-size", "--seq-len"});
 }
 
 // What the memory guard keeps free for the process's own memory beside its tensors (thread
@@ -286,8 +284,9 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
 
 void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ranks,
                    std::ostream& warnings) {
-  check_model_fits(c, local_ranks);
-  check_attention_fits(c, world, local_ranks);
+  const host::MemoryLimit memory = host::usable_memory();
+  check_model_fits(c, memory, local_ranks);
+  check_attention_fits(c, memory, world, local_ranks);
   if (world > 1 && c.train_batch_size % world != 0)
     throw Error("--train-batch-size " + std::to_string(c.train_batch_size) +
                 " cannot be split evenly over " + std::to_string(world) +
