@@ -128,6 +128,7 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
                                           "threads",
                                           "blas_threads",
                                           "memory_guard",
+                                          "gradient_checkpointing",
                                           "nproc_per_node",
                                           "dist_timeout",
                                           "dist_bucket_mb",

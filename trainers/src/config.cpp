@@ -185,6 +185,11 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.vocab_size = r.get<int64_t>("vocab-size");
   c.image_size = r.get<int64_t>("image-size");
   c.model_script = r.maybe_path("model-script");
+  c.gradient_checkpointing = r.get<bool>("gradient-checkpointing");
+  if (c.gradient_checkpointing && c.model_script)
+    throw Error(r.label("gradient-checkpointing") +
+                ": works with the built-in models only; a --model-script module runs as one "
+                "TorchScript call, whose activations fusebox cannot recompute");
   if (c.model_script) check_readable_file(r.label("model-script"), *c.model_script, "file");
   if (!c.model_script) {
     if (c.model == "transformer" && c.model_width % c.model_heads != 0)

@@ -55,6 +55,7 @@ struct TrainConfig {
   std::string model;
   int64_t model_width = 0, model_depth = 0, model_heads = 0, seq_len = 0, vocab_size = 0;
   int64_t image_size = 0;
+  bool gradient_checkpointing = false;
   std::optional<std::string> model_script;
   std::string dataset;       ///< "synthetic", "none" or "text"
   std::string dataset_path;  ///< for "text"

@@ -29,6 +29,9 @@ struct Batch {
 struct ModelOptions {
   std::string kind = "mlp";  ///< mlp, transformer, denoiser
   int64_t width = 64, depth = 2, heads = 4, seq_len = 64, vocab_size = 256, image_size = 16;
+  /// Recompute each block (MLP layer, transformer block, denoiser residual block) in backward
+  /// instead of keeping its activations (fusebox/core/activation_checkpoint.h).
+  bool gradient_checkpointing = false;
   c10::Device device = c10::Device(c10::kCPU);
   c10::ScalarType dtype = c10::kFloat;
 };

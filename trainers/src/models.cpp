@@ -7,6 +7,7 @@
 #include <numeric>
 #include <unordered_set>
 
+#include "fusebox/core/activation_checkpoint.h"
 #include "fusebox/core/autocast.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/messages.h"
@@ -44,17 +45,34 @@ std::vector<ParamGroup> param_groups(Model& model) {
 
 namespace {
 
+// Runs one block, `f(inputs)`; with gradient checkpointing it keeps only `inputs` and runs the
+// block again in backward (the module's trainable parameters get their gradients as usual).
+torch::Tensor run_block(bool checkpointing, nn::Module& module,
+                        const std::vector<torch::Tensor>& inputs, const Segment& f) {
+  if (!checkpointing) return f(inputs);
+  std::vector<torch::Tensor> params;
+  for (const auto& p : module.parameters())
+    if (p.requires_grad()) params.push_back(p);
+  return recompute_in_backward(f, inputs, params);
+}
+
 // ---------------------------------------------------------------- MLP
 struct MlpImpl : nn::Module {
-  explicit MlpImpl(const ModelOptions& o) {
+  explicit MlpImpl(const ModelOptions& o) : checkpointing(o.gradient_checkpointing) {
     layers = register_module("layers", nn::ModuleList());
     for (int64_t i = 0; i < o.depth; ++i) layers->push_back(nn::Linear(o.width, o.width));
     head = register_module("head", nn::Linear(o.width, 1));
   }
   torch::Tensor forward(torch::Tensor x) {
-    for (auto& l : *layers) x = F::gelu(l->as<nn::Linear>()->forward(x));
+    for (auto& l : *layers) {
+      auto& layer = *l->as<nn::Linear>();
+      x = run_block(checkpointing, layer, {x}, [&layer](const std::vector<torch::Tensor>& in) {
+        return F::gelu(layer.forward(in[0]));
+      });
+    }
     return head->forward(x);
   }
+  bool checkpointing;
   nn::ModuleList layers{nullptr};
   nn::Linear head{nullptr};
 };
@@ -88,7 +106,8 @@ struct BlockImpl : nn::Module {
 TORCH_MODULE(Block);
 
 struct LanguageModelImpl : nn::Module {
-  explicit LanguageModelImpl(const ModelOptions& o) : vocab(o.vocab_size) {
+  explicit LanguageModelImpl(const ModelOptions& o)
+      : vocab(o.vocab_size), checkpointing(o.gradient_checkpointing) {
     tok = register_module("tok", nn::Embedding(nn::EmbeddingOptions(o.vocab_size, o.width)));
     nn::init::normal_(tok->weight, 0.0, 0.02);
     pos = register_parameter("pos", torch::randn({o.seq_len, o.width}) * 0.02);
@@ -103,10 +122,17 @@ struct LanguageModelImpl : nn::Module {
     torch::Tensor mask =
         torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(tokens.device()))
             .triu(1);
-    for (auto& b : *blocks) x = b->as<Block>()->forward(x, mask);
+    for (auto& b : *blocks) {
+      auto& block = *b->as<Block>();
+      x = run_block(checkpointing, block, {x},
+                    [&block, mask](const std::vector<torch::Tensor>& in) {
+                      return block.forward(in[0], mask);
+                    });
+    }
     return torch::matmul(ln_f->forward(x), tok->weight.t());
   }
   int64_t vocab;
+  bool checkpointing;
   nn::Embedding tok{nullptr};
   torch::Tensor pos;
   nn::ModuleList blocks{nullptr};
@@ -171,7 +197,8 @@ struct ResBlockImpl : nn::Module {
 TORCH_MODULE(ResBlock);
 
 struct DenoiserImpl : nn::Module {
-  explicit DenoiserImpl(const ModelOptions& o) : width(o.width), levels(o.depth) {
+  explicit DenoiserImpl(const ModelOptions& o)
+      : width(o.width), levels(o.depth), checkpointing(o.gradient_checkpointing) {
     const int64_t temb = 2 * width;
     time1 = register_module("time1", nn::Linear(width, temb));
     time2 = register_module("time2", nn::Linear(temb, temb));
@@ -217,19 +244,28 @@ struct DenoiserImpl : nn::Module {
     return time2->forward(F::silu(time1->forward(emb)));
   }
 
+  torch::Tensor res_block(ResBlockImpl& block, const torch::Tensor& x, const torch::Tensor& temb) {
+    return run_block(
+        checkpointing, block, {x, temb},
+        [&block](const std::vector<torch::Tensor>& in) { return block.forward(in[0], in[1]); });
+  }
+
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t) {
     torch::Tensor temb = time_embedding(t, x.scalar_type());
     torch::Tensor h = in_conv->forward(x);
     std::vector<torch::Tensor> skips;
     for (int64_t i = 0; i < levels; ++i) {
-      h = down[i]->as<ResBlock>()->forward(h, temb);
+      h = res_block(*down[i]->as<ResBlock>(), h, temb);
       skips.push_back(h);
       if (i + 1 < levels) h = downsample[i]->as<nn::Conv2d>()->forward(h);
     }
+    // The middle block is never recomputed: its input is also a skip connection, so its
+    // gradient gathers three contributions, and a recomputed block would add its own two first,
+    // changing the rounding of the sum. Every other block's input is used by that block alone.
     h = mid->forward(h, temb);
     for (int64_t j = 0; j < levels; ++j) {
       const int64_t i = levels - 1 - j;
-      h = up[j]->as<ResBlock>()->forward(torch::cat({h, skips[i]}, 1), temb);
+      h = res_block(*up[j]->as<ResBlock>(), torch::cat({h, skips[i]}, 1), temb);
       if (i > 0) h = transposed_conv(*upsample[j]->as<nn::ConvTranspose2d>(), h);
     }
     return out_conv->forward(F::silu(group_norm(*out_norm, h)));
@@ -247,6 +283,7 @@ struct DenoiserImpl : nn::Module {
   }
 
   int64_t width, levels;
+  bool checkpointing;
   nn::Linear time1{nullptr}, time2{nullptr};
   nn::Conv2d in_conv{nullptr}, out_conv{nullptr};
   nn::ModuleList down{nullptr}, downsample{nullptr}, up{nullptr}, upsample{nullptr};

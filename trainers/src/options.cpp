@@ -211,6 +211,9 @@ std::vector<OptionSpec> build_specs() {
   at_least(add(opt("image-size", Kind::Int, int64_t{16},
                    "denoiser: image side (divisible by 2^(model-depth - 1))", "N")),
            4);
+  add(opt("gradient-checkpointing", Kind::Flag, false,
+          "built-in models: keep only each block's input and recompute the block in backward "
+          "(less activation memory, about one more forward pass of time; same results)"));
   add(opt("model-script", Kind::Text, {},
           "train a TorchScript module instead: forward(batch) returns the scalar loss (empty: a "
           "built-in model)",

@@ -97,6 +97,7 @@ ModelOptions model_options(const TrainConfig& c) {
   ModelOptions mo;
   mo.kind = c.model, mo.width = c.model_width, mo.depth = c.model_depth;
   mo.heads = c.model_heads, mo.seq_len = c.seq_len, mo.image_size = c.image_size;
+  mo.gradient_checkpointing = c.gradient_checkpointing;
   mo.vocab_size = c.dataset == "text" ? 256 : c.vocab_size;
   return mo;
 }
@@ -234,8 +235,11 @@ std::string out_of_memory_text(const std::string& what, const TrainConfig& c) {
     for (const std::string& o : parameter_options(c))
       if (o != "--seq-len") lower.push_back(o);
   }
+  // Recomputing blocks in backward frees their activations, which usually hold the most.
+  const std::string recompute =
+      !c.model_script && !c.gradient_checkpointing ? ", or use --gradient-checkpointing" : "";
   return "out of memory: it tried to allocate " + asked + " at once" + where + "; lower " +
-         either(lower);
+         either(lower) + recompute;
 }
 
 }  // namespace
