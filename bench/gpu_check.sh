@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: builds fusebox against this machine's PyTorch (LibTorch 2.x with CUDA) and runs, on
 # the GPU, the plugin and step-mode equivalence tests, the trainer on a denoiser of about 1.08
-# billion parameters in the normal, fused and groups modes, and the memory benchmark on the GPU.
+# billion parameters in the normal, fused and groups modes and on a transformer without and with
+# gradient checkpointing, and the memory benchmark on the GPU.
 # About 8 minutes in all; every part has its own time limit.
 #
 #   bash bench/gpu_check.sh OUTDIR        (or OUT=OUTDIR bash bench/gpu_check.sh)
@@ -176,7 +177,7 @@ FUSEBOX_TEST_DEVICE=cuda part "plugin tests on cuda" 90 "$BUILD/bin/plugin_tests
 # Step modes on CUDA: fused and groups equal normal bit for bit, clipping, grad norms (half and
 # bfloat16 too); loss scaling; the training device each local rank selects.
 FUSEBOX_TEST_DEVICE=cuda part "step-mode tests on cuda" 90 "$BUILD/bin/core_tests" \
-  --gtest_filter='StepModes.FusedAndGroupsEqualNormal*:StepModes.WithClipping*:StepModes.GradNorm*:StepModes.UnusedParameter*:StepModes.HalfAndBFloat16*:LossScaling.*:Device.*' \
+  --gtest_filter='StepModes.FusedAndGroupsEqualNormal*:StepModes.WithClipping*:StepModes.GradNorm*:StepModes.UnusedParameter*:StepModes.HalfAndBFloat16*:LossScaling.*:Device.*:ActivationCheckpoint.*' \
   --gtest_output="xml:$OUT_DIR/core_tests_cuda.xml"
 # The whole plugin suite on the CPU of the CUDA build.
 part "plugin tests on cpu" 60 "$BUILD/bin/plugin_tests" --gtest_output="xml:$OUT_DIR/plugin_tests_cpu.xml"
@@ -197,6 +198,19 @@ train adamw_groups --optimizer adamw --fused-optimizer-groups 4
 train adafactor_fused --optimizer-plugin adafactor_fused.so --fused-backward-pass
 # fp16 autocast with the dynamic loss scale (CUDA only: LibTorch 1.13 has no fp16 CPU autocast).
 train adamw_fp16 --optimizer adamw --mixed-precision fp16
+
+# Gradient checkpointing on the GPU: a transformer whose activations outweigh its weights, fused
+# adamw, without and with --gradient-checkpointing (the same losses, a lower peak).
+LM=(--device cuda --model transformer --model-width 1024 --model-depth 8 --model-heads 8
+  --seq-len 1024 --train-batch-size 8 --max-train-steps 4 --log-every 1 --optimizer adamw
+  --fused-backward-pass)
+for ckpt in off on; do
+  flag=()
+  [ "$ckpt" = on ] && flag=(--gradient-checkpointing)
+  PART_LOG="$OUT_DIR/trainer_lm_checkpointing_$ckpt.log" part "trainer lm checkpointing $ckpt" 45 \
+    "$BUILD/bin/trainer" "${LM[@]}" "${flag[@]}" --output-dir "$OUT_DIR/trainer_lm_checkpointing_$ckpt"
+  tail -n 3 "$OUT_DIR/trainer_lm_checkpointing_$ckpt.log"
+done
 
 # ---- 5. Memory benchmark on the GPU: peak allocated and time per step, every mode ---------------
 PART_LOG="$OUT_DIR/memory_bench_cuda.log" part "memory_bench --quick --device cuda" 90 \

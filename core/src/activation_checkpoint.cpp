@@ -7,6 +7,7 @@
 #include "fusebox/core/activation_checkpoint.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -84,16 +85,24 @@ class RngFork {
 };
 
 // A tensor requiring a gradient that the recomputed graph reaches but that is neither an input nor
-// a listed parameter would silently get no gradient: refuse it.
+// a listed parameter would silently get no gradient: refuse it. The walk stops at the listed
+// tensors: at a leaf's accumulator, and at the node that made a listed tensor which is not a leaf
+// (what lies behind it belongs to the forward pass outside the segment).
 void refuse_unlisted_leaves(const at::Tensor& out, const std::vector<at::Tensor>& known) {
   std::unordered_set<const void*> listed;
-  for (const auto& t : known) listed.insert(t.unsafeGetTensorImpl());
+  std::unordered_set<const torch::autograd::Node*> ends;
+  for (const auto& t : known) {
+    if (t.is_leaf())
+      listed.insert(t.unsafeGetTensorImpl());
+    else
+      ends.insert(t.grad_fn().get());
+  }
   std::vector<torch::autograd::Node*> stack{out.grad_fn().get()};
   std::unordered_set<const torch::autograd::Node*> seen;
   while (!stack.empty()) {
     torch::autograd::Node* node = stack.back();
     stack.pop_back();
-    if (!node || !seen.insert(node).second) continue;
+    if (!node || ends.count(node) || !seen.insert(node).second) continue;
     if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
       if (!listed.count(acc->variable.unsafeGetTensorImpl()))
         throw Error("recompute_in_backward: the segment uses a tensor of shape " +

@@ -1,11 +1,13 @@
 // Activation checkpointing: the same gradients and updates as without it, in every step mode,
 // with random numbers and autocast inside a segment; less activation memory; a tensor the segment
-// uses without declaring it is an error, not a silently missing gradient.
+// uses without declaring it is an error, not a silently missing gradient. On the test device
+// (FUSEBOX_TEST_DEVICE), but for the memory test, which counts CPU tensors.
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
+#include "../test_device.h"
 #include "fusebox/core/activation_checkpoint.h"
 #include "fusebox/core/autocast.h"
 #include "fusebox/core/memory_tracker.h"
@@ -15,6 +17,7 @@
 #include "plugin_args.h"
 
 using namespace fusebox;
+using fusebox::testing::test_device;
 
 namespace {
 
@@ -26,12 +29,14 @@ struct Chain {
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
 
-  Chain(int64_t width, int64_t depth, at::ScalarType dtype = at::kFloat)
+  Chain(int64_t width, int64_t depth, at::ScalarType dtype = at::kFloat,
+        at::Device device = test_device())
       : width(width), depth(depth) {
     at::manual_seed(7);
+    const auto o = at::TensorOptions().dtype(dtype).device(device);
     for (int64_t i = 0; i < depth; ++i) {
-      params.push_back((at::randn({width, width}, at::dtype(dtype)) * 0.3).requires_grad_());
-      params.push_back((at::randn({width}, at::dtype(dtype)) * 0.1).requires_grad_());
+      params.push_back((at::randn({width, width}, o) * 0.3).requires_grad_());
+      params.push_back((at::randn({width}, o) * 0.1).requires_grad_());
       names.push_back("block" + std::to_string(i) + ".weight");
       names.push_back("block" + std::to_string(i) + ".bias");
     }
@@ -68,9 +73,10 @@ struct Chain {
   }
 };
 
-at::Tensor batch(int64_t step, int64_t width, at::ScalarType dtype = at::kFloat) {
+at::Tensor batch(int64_t step, int64_t width, at::ScalarType dtype = at::kFloat,
+                 at::Device device = test_device()) {
   at::manual_seed(100 + step);
-  return at::randn({16, width}, at::dtype(dtype));
+  return at::randn({16, width}, at::TensorOptions().dtype(dtype).device(device));
 }
 
 std::vector<at::Tensor> grads_of(const Chain& c) {
@@ -150,10 +156,10 @@ TEST(ActivationCheckpoint, RandomNumbersAreReplayedAndTheStreamGoesOnUndisturbed
   const at::Tensor x = batch(0, 8);
   at::manual_seed(5);
   plain.loss(x, false).backward();
-  const at::Tensor next_plain = at::rand({4});
+  const at::Tensor next_plain = at::rand({4}, x.options());
   at::manual_seed(5);
   ckpt.loss(x, true).backward();
-  const at::Tensor next_ckpt = at::rand({4});
+  const at::Tensor next_ckpt = at::rand({4}, x.options());
   expect_equal(grads_of(plain), grads_of(ckpt), "dropout");
   EXPECT_TRUE(at::equal(next_plain, next_ckpt));
 }
@@ -164,7 +170,7 @@ TEST(ActivationCheckpoint, TheRecomputationRunsUnderTheForwardsAutocast) {
   const at::Tensor x = batch(0, 16);
   at::Tensor l1, l2;
   {
-    AutocastGuard bf16(true, c10::kCPU, at::kBFloat16);
+    AutocastGuard bf16(true, test_device().type(), at::kBFloat16);
     l1 = plain.loss(x, false);
     l2 = ckpt.loss(x, true);
   }
@@ -176,9 +182,9 @@ TEST(ActivationCheckpoint, TheRecomputationRunsUnderTheForwardsAutocast) {
 
 TEST(ActivationCheckpoint, KeepsOnlyTheSegmentsInputsForBackward) {
   memory::install_cpu_tracking();
-  const Chain model(256, 8);
+  const Chain model(256, 8, at::kFloat, at::kCPU);
   auto peak_of = [&](bool checkpointed) {
-    const at::Tensor x = batch(0, 256).repeat({32, 1});
+    const at::Tensor x = batch(0, 256, at::kFloat, at::kCPU).repeat({32, 1});
     for (auto& p : model.params) p.mutable_grad().reset();
     const int64_t base = memory::current_bytes();
     memory::reset_peak();
@@ -194,7 +200,7 @@ TEST(ActivationCheckpoint, KeepsOnlyTheSegmentsInputsForBackward) {
 
 TEST(ActivationCheckpoint, ATensorTheSegmentUsesWithoutDeclaringItIsAnError) {
   const Chain c(6, 1);
-  const at::Tensor hidden = at::ones({6}).requires_grad_();
+  const at::Tensor hidden = at::ones({6}, test_device()).requires_grad_();
   const at::Tensor x = batch(0, 6);
   at::Tensor y = recompute_in_backward(
       [&](const std::vector<at::Tensor>& in) { return c.block(0, in[0]) * hidden; }, {x},
@@ -209,7 +215,7 @@ TEST(ActivationCheckpoint, ATensorTheSegmentUsesWithoutDeclaringItIsAnError) {
   }
   EXPECT_THROW(recompute_in_backward({}, {x}, {}), Error);
   EXPECT_THROW(recompute_in_backward([](const std::vector<at::Tensor>& in) { return in[0]; }, {x},
-                                     {at::ones({2})}),
+                                     {at::ones({2}, test_device())}),
                Error);
 }
 
@@ -220,4 +226,21 @@ TEST(ActivationCheckpoint, WithoutGradientsTheSegmentJustRuns) {
   const at::Tensor y = c.loss(x, true);
   EXPECT_FALSE(y.requires_grad());
   EXPECT_TRUE(at::equal(y, c.loss(x, false)));
+}
+
+// A listed tensor that is computed from a parameter (a scaled weight, a slice) passes its
+// gradient on to that parameter, as without checkpointing.
+TEST(ActivationCheckpoint, AComputedParameterPassesItsGradientOn) {
+  const at::Tensor w = at::randn({5, 5}, test_device()).requires_grad_();
+  const at::Tensor w2 = w.detach().clone().requires_grad_();
+  const at::Tensor x = at::randn({3, 5}, test_device());
+  at::matmul(x, w * 0.5).tanh().sum().backward();
+  const at::Tensor scaled = w2 * 0.5;
+  recompute_in_backward(
+      [&scaled](const std::vector<at::Tensor>& in) { return at::matmul(in[0], scaled).tanh(); },
+      {x}, {scaled})
+      .sum()
+      .backward();
+  ASSERT_TRUE(w2.grad().defined());
+  EXPECT_TRUE(at::equal(w.grad(), w2.grad()));
 }
