@@ -67,6 +67,7 @@ TEST(TrainerResume, StoppedAndResumedEqualsUninterruptedInEveryMode) {
       {"adamw", {"--fused-optimizer-groups", "3"}, {"--fused-optimizer-groups", "3"}},
       {"adamw", {"--fused-optimizer-groups", "3"}, {"--fused-optimizer-groups", "2"}},
       {"adamw", {"--fused-optimizer-groups", "2"}, {"--fused-backward-pass"}},
+      {"adamw", {"--fused-backward-pass"}, {"--fused-backward-pass", "--gradient-checkpointing"}},
       // With an lr, so the cosine schedule applies (the relative step would refuse it).
       {"adafactor",
        {"--fused-backward-pass", "--optimizer-args", "relative_step=false", "lr=0.01"},
@@ -304,8 +305,9 @@ TEST(TrainerResume, ChangedSettingsAreNamedInAWarning) {
   auto r = run_trainer(with(base_args(a, "sgd", 4), {"--save-every-n-steps", "2"}));
   ASSERT_EQ(r.code, 0) << r.err;
   const std::string ckpt = a + "/" + fusebox::checkpoint_name(2);
-  r = run_trainer(with(base_args(tmp.file("b"), "sgd", 4),
-                       {"--resume", ckpt, "--fused-optimizer-groups", "2"}));
+  r = run_trainer(
+      with(base_args(tmp.file("b"), "sgd", 4),
+           {"--resume", ckpt, "--fused-optimizer-groups", "2", "--gradient-checkpointing"}));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.err.find("settings differ"), std::string::npos) << r.err;
   r = run_trainer(with(base_args(tmp.file("c"), "sgd", 6),

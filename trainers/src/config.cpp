@@ -203,25 +203,39 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
                   " must be divisible by " + std::to_string(factor) + " (2^(model-depth - 1))");
   }
 
-  const std::string dataset = r.get<std::string>("dataset");
-  const std::string dlabel = r.label("dataset");
-  if (dataset == "synthetic" || dataset == "none") {
-    c.dataset = dataset;
-  } else if (dataset.rfind("text:", 0) == 0) {
-    c.dataset = "text";
-    c.dataset_path = dataset.substr(5);
-    if (c.dataset_path.empty()) throw Error(dlabel + ": text: needs a path (text:PATH)");
-    check_readable_file(dlabel, c.dataset_path, "text file");
+  // --dataset and --eval-dataset: "synthetic", "none" or "text" with a readable file.
+  auto read_dataset = [&](const std::string& option, std::string& kind, std::string& path) {
+    const std::string spec = r.get<std::string>(option);
+    const std::string label = r.label(option);
+    if (spec == "synthetic" || spec == "none") {
+      kind = spec;
+    } else if (spec.rfind("text:", 0) == 0) {
+      kind = "text";
+      path = spec.substr(5);
+      if (path.empty()) throw Error(label + ": text: needs a path (text:PATH)");
+      check_readable_file(label, path, "text file");
+    } else {
+      std::string hint = did_you_mean(spec, {"synthetic", "none", "text:PATH"});
+      throw Error(label + ": '" + spec + "' is not synthetic, none or text:PATH" + hint);
+    }
+    if (!c.model_script) {
+      if (kind == "none")
+        throw Error(label + ": the built-in " + c.model +
+                    " model needs data; none is for --model-script");
+      if (kind == "text" && c.model != "transformer")
+        throw Error(label + ": text data is for the transformer model, not " + c.model);
+    }
+  };
+  read_dataset("dataset", c.dataset, c.dataset_path);
+  c.eval_every = r.get<int64_t>("eval-every");
+  c.eval_batches = r.get<int64_t>("eval-batches");
+  if (r.maybe<std::string>("eval-dataset").value_or("").empty()) {
+    c.eval_dataset = c.dataset, c.eval_dataset_path = c.dataset_path;
   } else {
-    std::string hint = did_you_mean(dataset, {"synthetic", "none", "text:PATH"});
-    throw Error(dlabel + ": '" + dataset + "' is not synthetic, none or text:PATH" + hint);
-  }
-  if (!c.model_script) {
-    if (c.dataset == "none")
-      throw Error(dlabel + ": the built-in " + c.model +
-                  " model needs data; none is for --model-script");
-    if (c.dataset == "text" && c.model != "transformer")
-      throw Error(dlabel + ": text data is for the transformer model, not " + c.model);
+    read_dataset("eval-dataset", c.eval_dataset, c.eval_dataset_path);
+    if (c.model_script && (c.eval_dataset == "none") != (c.dataset == "none"))
+      throw Error(r.label("eval-dataset") + ": " + (c.dataset == "none" ? "--dataset is" : "is") +
+                  " none: a script model takes data for both or for neither");
   }
 
   c.output_dir = r.get<std::string>("output-dir");

@@ -59,6 +59,9 @@ struct TrainConfig {
   std::optional<std::string> model_script;
   std::string dataset;       ///< "synthetic", "none" or "text"
   std::string dataset_path;  ///< for "text"
+  int64_t eval_every = 0;    ///< 0: no evaluation
+  int64_t eval_batches = 4;
+  std::string eval_dataset, eval_dataset_path;  ///< as dataset and dataset_path
 
   // Output.
   std::string output_dir;

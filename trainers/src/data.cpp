@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 
 #include "fusebox/error.h"
 
@@ -166,6 +167,22 @@ class NoData : public DataSource {
 };
 
 }  // namespace
+
+EvalData::EvalData(const TrainConfig& c) {
+  TrainConfig eval = c;
+  eval.dataset = c.eval_dataset, eval.dataset_path = c.eval_dataset_path;
+  source_ = make_data(eval);
+  // Another stream from the same seed: a fixed odd offset (the golden ratio's bits) keeps it
+  // apart from the training stream's for every seed.
+  seed_ = static_cast<uint64_t>(c.seed) * 2654435761u + 17 + 0x9E3779B97F4A7C15ull;
+  rewind();
+}
+
+void EvalData::rewind() {
+  at::Generator& gen = source_->generator();
+  const std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(seed_);
+}
 
 std::unique_ptr<DataSource> make_data(const TrainConfig& c) {
   const int64_t b = c.train_batch_size;

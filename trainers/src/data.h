@@ -34,4 +34,20 @@ class DataSource {
 /// The data for `config`'s model and dataset; throws Error naming an unreadable file.
 std::unique_ptr<DataSource> make_data(const TrainConfig& config);
 
+/// The held-out batches of --eval-every: the same task as make_data(config) (the same teacher
+/// network or token permutation, made from --seed), from --eval-dataset, drawn from a random
+/// stream of their own that starts again at each evaluation, so every evaluation sees the same
+/// batches and none of the training data stream is used.
+class EvalData {
+ public:
+  explicit EvalData(const TrainConfig& config);
+  /// The first of this evaluation's batches comes next.
+  void rewind();
+  Batch next() { return source_->next(); }
+
+ private:
+  std::unique_ptr<DataSource> source_;
+  uint64_t seed_;
+};
+
 }  // namespace fusebox::trainer

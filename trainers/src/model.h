@@ -52,6 +52,9 @@ class Model {
   virtual std::vector<std::pair<std::string, at::Tensor>> buffers() { return {}; }
   /// The scalar training loss of `batch`.
   virtual at::Tensor loss(const Batch& batch) = 0;
+  /// Training mode (true) or evaluation mode (dropout off, BatchNorm using its running
+  /// statistics without updating them), as torch.nn.Module.train(mode).
+  virtual void set_training(bool on) = 0;
   /// One line: kind, sizes, parameter count.
   virtual std::string describe() = 0;
   /// Writes the parameters to `path` (written to a temporary file, then renamed).

@@ -308,6 +308,7 @@ class BuiltinModel : public Model {
     return unique_parameters(std::move(named));
   }
   at::Tensor loss(const Batch& b) override;
+  void set_training(bool on) override { m_->train(on); }
   std::string describe() override {
     char buf[256];
     std::snprintf(buf, sizeof buf, "%s (width %lld, depth %lld): %lld parameters in %zu tensors",

@@ -223,6 +223,20 @@ std::vector<OptionSpec> build_specs() {
   add(opt("dataset", Kind::Text, std::string("synthetic"),
           "synthetic (from --seed), text:PATH (bytes as tokens, transformer/script) or none",
           "SPEC"));
+  at_least(add(opt("eval-every", Kind::Int, int64_t{0},
+                   "every N steps and after the last: the mean loss on --eval-batches held-out "
+                   "batches, without gradients; training is unchanged (0: never)",
+                   "N")),
+           0);
+  at_least(add(opt("eval-batches", Kind::Int, int64_t{4},
+                   "batches of --train-batch-size samples in each evaluation (the same ones each "
+                   "time)",
+                   "N")),
+           1);
+  add(opt("eval-dataset", Kind::Text, {},
+          "the evaluation's data, as --dataset (default: --dataset's kind, drawn from a stream "
+          "of its own; give a text file of its own to hold text out)",
+          "SPEC"));
 
   section = "Output";
   add(opt("output-dir", Kind::Text, std::string("output"),

@@ -90,7 +90,9 @@ std::string summary_json(const RunSummary& s) {
     << ",\"last_loss\":" << json_number(s.last_loss) << ",\"peak_bytes\":" << s.peak_bytes
     << ",\"peak_phase\":" << json_string(s.peak_phase) << ",\"parameters\":" << s.parameters
     << ",\"weights_bytes\":" << s.weights_bytes << ",\"optimizer_state_bytes\":" << s.state_bytes
-    << ",\"grads_alive_bytes\":" << s.grads_alive_bytes << "}\n";
+    << ",\"grads_alive_bytes\":" << s.grads_alive_bytes;
+  if (s.eval_loss) o << ",\"eval_loss\":" << json_number(*s.eval_loss);
+  o << "}\n";
   return o.str();
 }
 
@@ -99,7 +101,9 @@ std::string summary_text(const RunSummary& s) {
   o << (s.name.empty() ? std::string("run") : "run '" + s.name + "'") << " (" << s.mode << ", "
     << s.optimizer << "): " << s.steps << " steps in " << std::fixed << std::setprecision(2)
     << s.wall_seconds << " s; loss " << short_number(s.first_loss) << " -> "
-    << short_number(s.last_loss) << "; peak tensor memory " << memory::format_bytes(s.peak_bytes);
+    << short_number(s.last_loss);
+  if (s.eval_loss) o << " (eval " << short_number(*s.eval_loss) << ")";
+  o << "; peak tensor memory " << memory::format_bytes(s.peak_bytes);
   if (!s.peak_phase.empty()) o << " (during " << s.peak_phase << ")";
   if (s.skipped_steps > 0)
     o << "; " << s.skipped_steps << " step" << (s.skipped_steps == 1 ? "" : "s")
@@ -113,14 +117,19 @@ std::string summary_text(const RunSummary& s) {
 }
 
 std::string comparison_table(const std::vector<RunSummary>& runs) {
+  bool eval = false;
+  for (const auto& r : runs) eval = eval || r.eval_loss.has_value();
   std::vector<std::vector<std::string>> rows = {
       {"run", "mode", "steps", "first loss", "last loss", "peak memory", "peak in", "time"}};
+  if (eval) rows[0].insert(rows[0].begin() + 5, "eval loss");
   for (const auto& r : runs) {
     char t[32];
     std::snprintf(t, sizeof t, "%.1f s", r.wall_seconds);
     rows.push_back({r.name, r.mode, std::to_string(r.steps), short_number(r.first_loss),
                     short_number(r.last_loss), memory::format_bytes(r.peak_bytes), r.peak_phase,
                     t});
+    if (eval)
+      rows.back().insert(rows.back().begin() + 5, r.eval_loss ? short_number(*r.eval_loss) : "-");
   }
   std::vector<size_t> width(rows[0].size(), 0);
   for (const auto& row : rows)
@@ -144,11 +153,12 @@ std::string comparison_table(const std::vector<RunSummary>& runs) {
 
 namespace {
 
-std::string csv_header(size_t num_groups, bool loss_scale) {
+std::string csv_header(const MetricsColumns& c) {
   std::string h = "step,loss";
-  for (size_t g = 0; g < num_groups; ++g) h += ",lr_" + std::to_string(g);
-  for (size_t g = 0; g < num_groups; ++g) h += ",effective_lr_" + std::to_string(g);
-  return h + ",grad_norm,step_seconds,peak_bytes,peak_phase" + (loss_scale ? ",loss_scale" : "");
+  for (size_t g = 0; g < c.num_groups; ++g) h += ",lr_" + std::to_string(g);
+  for (size_t g = 0; g < c.num_groups; ++g) h += ",effective_lr_" + std::to_string(g);
+  return h + ",grad_norm,step_seconds,peak_bytes,peak_phase" + (c.loss_scale ? ",loss_scale" : "") +
+         (c.eval_loss ? ",eval_loss" : "");
 }
 
 // The step a record starts with ("{\"step\":12," or "12,"), or -1.
@@ -208,10 +218,10 @@ std::string scale_text(double scale) {
   return buf;
 }
 
-MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups,
-                                    bool loss_scale, const std::string* last_record) {
+MetricsHistory read_metrics_history(const std::string& folder, int64_t step,
+                                    const MetricsColumns& columns, const std::string* last_record) {
   MetricsHistory h;
-  const std::string header = csv_header(num_groups, loss_scale);
+  const std::string header = csv_header(columns);
   h.jsonl = records_up_to(fs::path(folder) / "metrics.jsonl", step, "{\"step\":", nullptr);
   // Steps 1..step, each once and in order, ending with the checkpoint's own last record.
   std::istringstream in(h.jsonl);
@@ -233,13 +243,13 @@ MetricsHistory read_metrics_history(const std::string& folder, int64_t step, siz
   return h;
 }
 
-MetricsFiles::MetricsFiles(const std::string& folder, size_t num_groups, MetricsHistory history,
-                           bool loss_scale)
+MetricsFiles::MetricsFiles(const std::string& folder, const MetricsColumns& columns,
+                           MetricsHistory history)
     : folder_(folder),
-      header_(csv_header(num_groups, loss_scale) + "\n"),
+      header_(csv_header(columns) + "\n"),
       jsonl_(std::move(history.jsonl)),
       csv_(std::move(history.csv_rows)),
-      loss_scale_(loss_scale) {
+      columns_(columns) {
   if (folder_.empty()) return;
   std::error_code ec;
   fs::create_directories(folder_, ec);
@@ -254,7 +264,8 @@ void MetricsFiles::add(const StepMetrics& m) {
     << ",\"grad_norm\":" << (m.grad_norm < 0 ? "null" : json_number(m.grad_norm))
     << ",\"step_seconds\":" << json_number(m.step_seconds) << ",\"peak_bytes\":" << m.peak_bytes
     << ",\"peak_phase\":" << json_string(m.peak_phase);
-  if (loss_scale_) j << ",\"loss_scale\":" << json_number(m.loss_scale);
+  if (columns_.loss_scale) j << ",\"loss_scale\":" << json_number(m.loss_scale);
+  if (m.eval_loss) j << ",\"eval_loss\":" << json_number(*m.eval_loss);
   j << "}";
   last_record_ = j.str();
   jsonl_ += last_record_ + "\n";
@@ -264,7 +275,8 @@ void MetricsFiles::add(const StepMetrics& m) {
   for (double v : m.effective_lrs) c << "," << format_real(v);
   c << "," << (m.grad_norm < 0 ? "" : format_real(m.grad_norm)) << ","
     << format_real(m.step_seconds) << "," << m.peak_bytes << "," << m.peak_phase;
-  if (loss_scale_) c << "," << format_real(m.loss_scale);
+  if (columns_.loss_scale) c << "," << format_real(m.loss_scale);
+  if (columns_.eval_loss) c << "," << (m.eval_loss ? format_real(*m.eval_loss) : "");
   c << "\n";
   csv_ += c.str();
 }
@@ -315,17 +327,20 @@ void Progress::update(const StepMetrics& m, double elapsed) {
                 std::abs(m.loss) < 1e6 ? "loss %.4f  lr %.3g  %.2f it/s  peak %s"
                                        : "loss %.4g  lr %.3g  %.2f it/s  peak %s",
                 m.loss, lr, rate, memory::format_bytes(m.peak_bytes).c_str());
+  if (m.eval_loss) eval_loss_ = m.eval_loss;
+  std::string line = stats;
+  if (eval_loss_) line += "  eval " + short_number(*eval_loss_);
   const std::string prefix = label_.empty() ? "" : label_ + " ";
   if (terminal_) {
     const int width = 24;
     const int filled = total_ > 0 ? static_cast<int>(width * m.step / total_) : width;
     out_ << "\r" << prefix << "[" << std::string(filled, '#') << std::string(width - filled, '.')
-         << "] " << m.step << "/" << total_ << "  " << stats << "  ETA " << format_duration(eta)
+         << "] " << m.step << "/" << total_ << "  " << line << "  ETA " << format_duration(eta)
          << "   " << std::flush;
     drawn_ = true;
-  } else if (log_every_ > 0 &&
-             (m.step % log_every_ == 0 || m.step == total_ || m.step == first_step_ + 1)) {
-    out_ << prefix << "step " << m.step << "/" << total_ << "  " << stats << "  ETA "
+  } else if (log_every_ > 0 && (m.step % log_every_ == 0 || m.step == total_ ||
+                                m.step == first_step_ + 1 || m.eval_loss)) {
+    out_ << prefix << "step " << m.step << "/" << total_ << "  " << line << "  ETA "
          << format_duration(eta) << "\n"
          << std::flush;
   }

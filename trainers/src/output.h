@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -20,8 +21,9 @@ struct StepMetrics {
   double grad_norm = -1;              ///< -1: unknown
   double loss_scale = 0;              ///< the loss scale of this step; 0: no loss scaling
   double step_seconds = 0;
-  int64_t peak_bytes = 0;  ///< peak tensor memory during this step
-  std::string peak_phase;  ///< phase in which it happened
+  int64_t peak_bytes = 0;           ///< peak tensor memory during this step
+  std::string peak_phase;           ///< phase in which it happened
+  std::optional<double> eval_loss;  ///< --eval-every: the held-out loss after this step
 };
 
 /// What a finished run reports.
@@ -38,6 +40,14 @@ struct RunSummary {
   int64_t parameters = 0;
   std::string memory_breakdown;  ///< analytic accounting next to the measured peak
   int64_t weights_bytes = 0, state_bytes = 0, grads_alive_bytes = 0;
+  std::optional<double> eval_loss;  ///< --eval-every: the last held-out loss
+};
+
+/// The columns of a run's metrics files besides the fixed ones.
+struct MetricsColumns {
+  size_t num_groups = 1;    ///< lr_G and effective_lr_G for each optimizer group
+  bool loss_scale = false;  ///< the run scales its loss: a loss_scale column
+  bool eval_loss = false;   ///< --eval-every: an eval_loss column (empty between evaluations)
 };
 
 /// A loss scale in messages ("65536", "1.7e+38").
@@ -76,13 +86,12 @@ struct MetricsHistory {
 };
 
 /// The records of steps 1..`step` in `folder`'s metrics files, where the run that wrote the
-/// checkpoint being resumed kept them; CSV rows only when that file has the columns of
-/// `num_groups` groups (and a loss_scale column when `loss_scale` is set). A last line without
-/// its newline (a write cut short) is left out. The JSONL records must be steps 1..`step` in
-/// order, the last one equal to `last_record` when that is given (what the checkpoint saved),
-/// else nothing is carried over (MetricsHistory::not_the_checkpoints_run).
-MetricsHistory read_metrics_history(const std::string& folder, int64_t step, size_t num_groups,
-                                    bool loss_scale = false,
+/// checkpoint being resumed kept them; CSV rows only when that file has `columns`. A last line
+/// without its newline (a write cut short) is left out. The JSONL records must be steps
+/// 1..`step` in order, the last one equal to `last_record` when that is given (what the
+/// checkpoint saved), else nothing is carried over (MetricsHistory::not_the_checkpoints_run).
+MetricsHistory read_metrics_history(const std::string& folder, int64_t step,
+                                    const MetricsColumns& columns,
                                     const std::string* last_record = nullptr);
 
 /// Per-step metrics files (metrics.jsonl, metrics.csv) in a folder; nothing when folder is "".
@@ -91,9 +100,8 @@ MetricsHistory read_metrics_history(const std::string& folder, int64_t step, siz
 /// append only the new records, so each record is written once however long the run.
 class MetricsFiles {
  public:
-  /// `loss_scale`: the run scales its loss, and metrics.csv gets a loss_scale column.
-  MetricsFiles(const std::string& folder, size_t num_groups, MetricsHistory history = {},
-               bool loss_scale = false);
+  MetricsFiles(const std::string& folder, const MetricsColumns& columns,
+               MetricsHistory history = {});
   void add(const StepMetrics& m);
   /// Writes the records added since the last snapshot (before each checkpoint).
   void snapshot();
@@ -109,7 +117,7 @@ class MetricsFiles {
   std::string folder_, header_;
   std::string jsonl_, csv_;  // records not yet in the files (at first, the history too)
   bool started_ = false;     // the files are this run's: append to them
-  bool loss_scale_ = false;  // records carry the loss scale
+  MetricsColumns columns_;
   std::string last_record_;
 };
 
@@ -131,6 +139,7 @@ class Progress {
   int64_t total_, log_every_, first_step_;
   std::string label_;
   bool drawn_ = false;
+  std::optional<double> eval_loss_;  // the last evaluation's, shown from then on
 };
 
 /// "1:05"-style duration.

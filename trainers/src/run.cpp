@@ -1,6 +1,7 @@
 #include "run.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <regex>
 
 #include "checkpoint.h"
@@ -78,7 +80,6 @@ Batch shard(Batch b, int rank, int world) {
   return b;
 }
 
-// The mean of `value` over the ranks (every rank must call it).
 // The mean of `value` over the ranks. `stop` rides along in the same reduction: in, whether this
 // rank was asked to stop (a signal); out, whether any rank was, so all stop after the same step.
 double mean_over_ranks(double value, const Distributed& dist, bool& stop) {
@@ -92,6 +93,58 @@ double mean_over_ranks(double value, const Distributed& dist, bool& stop) {
 }
 
 std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
+
+// Puts the default generators (CPU, and the training device's) back as they were when the scope
+// ends: a script model's forward may draw from them, and an evaluation must leave training as it
+// would have been without it.
+class KeepDefaultRng {
+ public:
+  explicit KeepDefaultRng(c10::Device device) {
+    gens_.push_back(at::detail::getDefaultCPUGenerator());
+    if (!device.is_cpu()) gens_.push_back(at::globalContext().defaultGenerator(device));
+    for (auto& g : gens_) {
+      const std::lock_guard<std::mutex> lock(g.mutex());
+      states_.push_back(g.get_state());
+    }
+  }
+  ~KeepDefaultRng() {
+    for (size_t i = 0; i < gens_.size(); ++i) {
+      const std::lock_guard<std::mutex> lock(gens_[i].mutex());
+      gens_[i].set_state(states_[i]);
+    }
+  }
+  KeepDefaultRng(const KeepDefaultRng&) = delete;
+  KeepDefaultRng& operator=(const KeepDefaultRng&) = delete;
+
+ private:
+  std::vector<at::Generator> gens_;
+  std::vector<at::Tensor> states_;
+};
+
+// The evaluation of --eval-every: the mean loss of the held-out batches (each rank its share, as
+// in training), in evaluation mode and without gradients, under the training's autocast. Nothing
+// of the training changes: not the parameters, buffers, data stream or random generators.
+double evaluate(Model& model, EvalData& data, const TrainConfig& c, const Distributed& dist,
+                c10::Device device, at::ScalarType dtype, at::ScalarType loss_dtype) {
+  KeepDefaultRng keep_rng(device);
+  at::NoGradGuard no_grad;
+  model.set_training(false);
+  struct BackToTraining {
+    Model& m;
+    ~BackToTraining() { m.set_training(true); }
+  } back{model};
+  data.rewind();
+  double sum = 0;
+  for (int64_t i = 0; i < c.eval_batches; ++i) {
+    const Batch batch = to_device(shard(data.next(), dist.config.rank, dist.config.world_size),
+                                  device, dtype, loss_dtype);
+    AutocastGuard guard(autocast_enabled(c), device.type(),
+                        c.mixed_precision == "fp16" ? at::kHalf : at::kBFloat16);
+    sum += model.loss(batch).to(at::kDouble).item<double>();
+  }
+  bool no_stop = false;
+  return mean_over_ranks(sum / static_cast<double>(c.eval_batches), dist, no_stop);
+}
 
 ModelOptions model_options(const TrainConfig& c) {
   ModelOptions mo;
@@ -359,6 +412,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
 
   std::unique_ptr<Model> model;
   std::unique_ptr<DataSource> data;
+  std::unique_ptr<EvalData> eval_data;
   try {
     if (c.model_script) {
       model = load_script_model(*c.model_script, device, dtype);
@@ -368,6 +422,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       model = make_builtin_model(mo);
     }
     data = make_data(c);
+    if (c.eval_every > 0) eval_data = std::make_unique<EvalData>(c);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -514,11 +569,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   // A resumed run's files continue the history of the run its checkpoint came from.
   const bool scaled = so.loss_scaler != nullptr;
+  const MetricsColumns columns{scheduler.lrs().size(), scaled, c.eval_every > 0};
   MetricsHistory history;
   if (resumed && dist.leader()) {
     const std::string folder = fs::path(resumed_from).parent_path().string();
     const auto saved = resumed->meta.find("last_metrics_record");
-    history = read_metrics_history(folder, first_step, scheduler.lrs().size(), scaled,
+    history = read_metrics_history(folder, first_step, columns,
                                    saved == resumed->meta.end() ? nullptr : &saved->second);
     if (history.not_the_checkpoints_run && !c.output_dir.empty())
       con.err << ("trainer: warning: --resume: the metrics files in " + folder +
@@ -530,13 +586,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     if (history.csv_columns_differ && !c.output_dir.empty())
       con.err << ("trainer: warning: --resume: " + (fs::path(folder) / "metrics.csv").string() +
                   " has other columns than this run's (another number of optimizer groups, or a "
-                  "loss scale switched on or off), so this run's metrics.csv starts at step " +
+                  "loss scale or evaluation switched on or off), so this run's metrics.csv starts "
+                  "at step " +
                   std::to_string(first_step + 1) + "; metrics.jsonl keeps every step\n")
               << std::flush;
   }
   resumed.reset();  // everything is restored: training must not carry the checkpoint's copy
-  MetricsFiles files(dist.leader() ? c.output_dir : "", scheduler.lrs().size(), std::move(history),
-                     scaled);
+  MetricsFiles files(dist.leader() ? c.output_dir : "", columns, std::move(history));
   const CheckpointContext ckpt_ctx{c,
                                    plugin,
                                    *model,
@@ -668,6 +724,11 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         m.peak_bytes = memory::cuda_stats().peak_allocated;
       }
       m.step_seconds = seconds_since(t0);
+      const bool final = step == c.max_train_steps;
+      if (eval_data && (step % c.eval_every == 0 || final)) {
+        m.eval_loss = evaluate(*model, *eval_data, c, dist, device, dtype, loss_dtype);
+        summary.eval_loss = m.eval_loss;
+      }
       if (first) summary.first_loss = m.loss, first = false;
       summary.last_loss = m.loss;
       summary.steps = step - first_step;
@@ -675,7 +736,6 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         summary.peak_bytes = m.peak_bytes, summary.peak_phase = m.peak_phase;
       files.add(m);
       progress.update(m, seconds_since(start));
-      const bool final = step == c.max_train_steps;
       // Alone, a signal is seen at once; ranks agreed on it in the loss's all-reduce.
       if (!dist.comm) stop_requested = stop_requested || interrupt_signal() != 0;
       const bool stopping = stop_requested && !final;  // saved like the final step

@@ -94,6 +94,8 @@ class ScriptModel : public Model {
     return named;
   }
 
+  void set_training(bool on) override { m_.train(on); }
+
   at::Tensor loss(const Batch& b) override {
     c10::IValue out;
     try {
