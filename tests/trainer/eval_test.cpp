@@ -153,4 +153,14 @@ def forward(self, x):
   EXPECT_EQ(evals, (std::map<int64_t, double>{{2, 2.0}, {4, 4.0}, {5, 5.0}}));
 }
 
+TEST(TrainerEval, AnEvaluationSettingWithoutEveryIsNamedInAWarning) {
+  TempDir tmp;
+  const Result r = run_trainer(join(transformer(tmp.file("out"), 1), {"--eval-batches", "2"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("trainer: warning: --eval-batches has no effect without --eval-every N"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(read_text(tmp.file("out/metrics.jsonl")).find("eval_loss"), std::string::npos);
+}
+
 }  // namespace fusebox::trainer

@@ -384,6 +384,8 @@ TEST(TrainerTraining, ExampleConfigRunsThreeWays) {
   // A per-parameter optimizer: all three modes compute the same losses.
   EXPECT_EQ(losses(dir.str() + "/normal/metrics.jsonl"),
             losses(dir.str() + "/fused/metrics.jsonl"));
+  // The example evaluates (after the last step here): the table has the held-out loss.
+  EXPECT_NE(r.out.find("eval loss"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -229,6 +229,9 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   read_dataset("dataset", c.dataset, c.dataset_path);
   c.eval_every = r.get<int64_t>("eval-every");
   c.eval_batches = r.get<int64_t>("eval-batches");
+  if (c.eval_every == 0)
+    for (const char* option : {"eval-batches", "eval-dataset"})
+      if (r.has(option) && !r.setting(option).where.empty()) c.eval_set_unused = r.label(option);
   if (r.maybe<std::string>("eval-dataset").value_or("").empty()) {
     c.eval_dataset = c.dataset, c.eval_dataset_path = c.dataset_path;
   } else {

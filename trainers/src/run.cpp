@@ -362,6 +362,9 @@ void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ra
   if (c.mixed_precision == "fp16" && c.loss_scale == "none")
     warnings << "trainer: warning: --mixed-precision fp16 with --loss-scale none: small "
                 "gradients may underflow to zero (bf16 avoids this)\n";
+  if (!c.eval_set_unused.empty())
+    warnings << "trainer: warning: " << c.message_prefix() << c.eval_set_unused
+             << " has no effect without --eval-every N (how often to evaluate)\n";
   // A warm-up that does nothing, or never ends, is a setting mistake the run would not show
   // until its learning rates were read afterwards.
   const std::string in_run = c.message_prefix();
