@@ -57,7 +57,8 @@ TEST(TrainerDistributed, TwoRanksTrainLikeOneProcessInEveryMode) {
   std::map<std::string, at::Tensor> first;
   for (const std::string mode :
        {"", "--fused-backward-pass --dist-bucket-mb 0.01", "--fused-optimizer-groups 3",
-        "--shard-optimizer-state", "--fused-backward-pass --shard-optimizer-state"}) {
+        "--shard-optimizer-state", "--fused-backward-pass --shard-optimizer-state",
+        "--fused-backward-pass --dist-bucket-mb 0.01 --gradient-checkpointing"}) {
     Result two = train(d, "two", base + " --nproc-per-node 2 " + mode);
     ASSERT_EQ(two.code, 0) << mode << ": " << two.err;
     EXPECT_EQ(count_lines(two.out), count_lines(one.out)) << "only rank 0 prints: " << two.out;
