@@ -69,6 +69,7 @@ TEST(TrainerEval, EvaluatesEveryNStepsAndLastAndChangesNoTrainingInAnyMode) {
     EXPECT_EQ(std::stod(summary.substr(summary.find("\"eval_loss\":") + 12)), evals.at(5));
     const std::string csv = read_text(out + "/metrics.csv");
     EXPECT_NE(csv.find(",eval_loss\n"), std::string::npos) << csv;
+    EXPECT_NE(r.out.find("; eval: 4 batches every 2 steps;"), std::string::npos) << r.out;
   }
 }
 

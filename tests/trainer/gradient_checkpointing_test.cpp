@@ -94,6 +94,8 @@ TEST(GradientCheckpointing, TheTrainerGivesTheSameLossesWithLessMemory) {
       ASSERT_EQ(a.code, 0) << a.err;
       ASSERT_EQ(b.code, 0) << b.err;
       EXPECT_EQ(losses(plain.file("metrics.jsonl")), losses(ckpt.file("metrics.jsonl")));
+      EXPECT_NE(b.out.find(", blocks recomputed in backward; data: "), std::string::npos) << b.out;
+      EXPECT_EQ(a.out.find("recomputed"), std::string::npos) << a.out;
       EXPECT_LT(peak_of(ckpt), peak_of(plain));
     }
   }

@@ -545,8 +545,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   summary.optimizer = plugin.info().name;
   summary.parameters = count_elements(model->parameters());
   con.out << (c.name.empty() ? "" : "[" + c.name + "] ") << "model: " << model->describe()
-          << "; data: " << data->describe() << "; optimizer: " << plugin.info().name << " ("
-          << summary.mode << ", " << mode->optimizers().size() << " optimizer"
+          << (c.gradient_checkpointing ? ", blocks recomputed in backward" : "")
+          << "; data: " << data->describe()
+          << (eval_data ? "; eval: " + std::to_string(c.eval_batches) + " batches every " +
+                              std::to_string(c.eval_every) + " steps"
+                        : std::string())
+          << "; optimizer: " << plugin.info().name << " (" << summary.mode << ", "
+          << mode->optimizers().size() << " optimizer"
           << (mode->optimizers().size() == 1 ? "" : "s") << "); threads: " << used.intra_op
           << " intra-op"
           << (used.blas > 0 ? ", " + std::to_string(used.blas) + " OpenBLAS" : std::string())
