@@ -7,7 +7,6 @@
 #include "fusebox/core/activation_checkpoint.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -18,6 +17,7 @@
 #include <utility>
 
 #include "fusebox/core/autocast.h"
+#include "fusebox/core/random_state.h"
 #include "fusebox/error.h"
 
 namespace fusebox {
@@ -38,51 +38,17 @@ struct SegmentState : torch::CustomClassHolder {
   size_t num_inputs = 0;
   std::vector<bool> input_requires_grad;
   std::vector<AutocastState> autocast;
-  std::vector<std::pair<at::Generator, at::Tensor>> rng;  // generator, its state at forward
+  c10::Device device = c10::kCPU;  // whose default generator the segment may draw from
+  DefaultRngState rng;             // the default generators' states at forward
 };
 
-// The default generators the segment may draw from: the CPU's, and the CUDA device's of a CUDA
-// input (a CPU-only LibTorch has no CUDA generator to ask for).
-std::vector<at::Generator> generators_of(const std::vector<at::Tensor>& inputs) {
-  std::vector<at::Generator> out{at::detail::getDefaultCPUGenerator()};
+// The device whose default generator the segment may draw from besides the CPU's: a CUDA
+// input's.
+c10::Device device_of(const std::vector<at::Tensor>& inputs) {
   for (const auto& t : inputs)
-    if (t.defined() && t.is_cuda()) {
-      out.push_back(at::globalContext().defaultGenerator(t.device()));
-      break;
-    }
-  return out;
+    if (t.defined() && t.is_cuda()) return t.device();
+  return c10::kCPU;
 }
-
-at::Tensor state_of(at::Generator& g) {
-  const std::lock_guard<std::mutex> lock(g.mutex());
-  return g.get_state();
-}
-
-void set_state(at::Generator& g, const at::Tensor& state) {
-  const std::lock_guard<std::mutex> lock(g.mutex());
-  g.set_state(state);
-}
-
-// Puts the generators back to their forward-time state for the recomputation and, after it, to
-// where they were, so that the random stream of the rest of training is not disturbed.
-class RngFork {
- public:
-  explicit RngFork(std::vector<std::pair<at::Generator, at::Tensor>>& saved) : saved_(saved) {
-    for (auto& [gen, state] : saved_) {
-      now_.push_back(state_of(gen));
-      set_state(gen, state);
-    }
-  }
-  ~RngFork() {
-    for (size_t i = 0; i < now_.size(); ++i) set_state(saved_[i].first, now_[i]);
-  }
-  RngFork(const RngFork&) = delete;
-  RngFork& operator=(const RngFork&) = delete;
-
- private:
-  std::vector<std::pair<at::Generator, at::Tensor>>& saved_;
-  std::vector<at::Tensor> now_;
-};
 
 // A tensor requiring a gradient that the recomputed graph reaches but that is neither an input nor
 // a listed parameter would silently get no gradient: refuse it. The walk stops at the listed
@@ -123,7 +89,8 @@ struct Recompute : torch::autograd::Function<Recompute> {
     for (const auto& t : in) state->input_requires_grad.push_back(t.defined() && t.requires_grad());
     for (c10::DeviceType d : {c10::kCPU, c10::kCUDA})
       state->autocast.push_back({d, active_autocast_dtype(d)});
-    for (auto& gen : generators_of(in)) state->rng.emplace_back(gen, state_of(gen));
+    state->device = device_of(in);
+    state->rng = DefaultRngState(state->device);
     variable_list saved(in);
     saved.insert(saved.end(), params.begin(), params.end());
     ctx->save_for_backward(saved);
@@ -156,7 +123,9 @@ struct Recompute : torch::autograd::Function<Recompute> {
     at::Tensor out;
     {
       torch::autograd::AutoGradMode grad_on(true);
-      RngFork rng(state->rng);
+      // The forward's random numbers again, and afterwards the stream where it was.
+      KeepDefaultRng keep_rng(state->device);
+      state->rng.restore();
       std::optional<AutocastGuard> on[2];
       std::optional<AutocastOffGuard> off[2];
       for (size_t d = 0; d < state->autocast.size(); ++d) {

@@ -1,7 +1,6 @@
 #include "run.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
 #include <unistd.h>
@@ -11,7 +10,6 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
-#include <mutex>
 #include <regex>
 
 #include "checkpoint.h"
@@ -25,6 +23,7 @@
 #include "fusebox/core/memory_accounting.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/messages.h"
+#include "fusebox/core/random_state.h"
 #include "fusebox/core/step_mode.h"
 #include "fusebox/core/threads.h"
 #include "interrupt.h"
@@ -94,39 +93,12 @@ double mean_over_ranks(double value, const Distributed& dist, bool& stop) {
 
 std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
 
-// Puts the default generators (CPU, and the training device's) back as they were when the scope
-// ends: a script model's forward may draw from them, and an evaluation must leave training as it
-// would have been without it.
-class KeepDefaultRng {
- public:
-  explicit KeepDefaultRng(c10::Device device) {
-    gens_.push_back(at::detail::getDefaultCPUGenerator());
-    if (!device.is_cpu()) gens_.push_back(at::globalContext().defaultGenerator(device));
-    for (auto& g : gens_) {
-      const std::lock_guard<std::mutex> lock(g.mutex());
-      states_.push_back(g.get_state());
-    }
-  }
-  ~KeepDefaultRng() {
-    for (size_t i = 0; i < gens_.size(); ++i) {
-      const std::lock_guard<std::mutex> lock(gens_[i].mutex());
-      gens_[i].set_state(states_[i]);
-    }
-  }
-  KeepDefaultRng(const KeepDefaultRng&) = delete;
-  KeepDefaultRng& operator=(const KeepDefaultRng&) = delete;
-
- private:
-  std::vector<at::Generator> gens_;
-  std::vector<at::Tensor> states_;
-};
-
 // The evaluation of --eval-every: the mean loss of the held-out batches (each rank its share, as
 // in training), in evaluation mode and without gradients, under the training's autocast. Nothing
 // of the training changes: not the parameters, buffers, data stream or random generators.
 double evaluate(Model& model, EvalData& data, const TrainConfig& c, const Distributed& dist,
                 c10::Device device, at::ScalarType dtype, at::ScalarType loss_dtype) {
-  KeepDefaultRng keep_rng(device);
+  KeepDefaultRng keep_rng(device);  // a script model's forward may draw from them
   at::NoGradGuard no_grad;
   model.set_training(false);
   struct BackToTraining {
