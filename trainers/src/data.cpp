@@ -15,9 +15,11 @@ namespace fusebox::trainer {
 
 namespace {
 
-// The data stream gets its own generator so model initialisation and data do not interfere.
+// The data stream's seed: its own, so model initialisation and data do not interfere.
+uint64_t data_seed(int64_t seed) { return static_cast<uint64_t>(seed) * 2654435761u + 17; }
+
 at::Generator data_generator(int64_t seed) {
-  return at::detail::createCPUGenerator(static_cast<uint64_t>(seed) * 2654435761u + 17);
+  return at::detail::createCPUGenerator(data_seed(seed));
 }
 
 const at::TensorOptions kFloat = at::TensorOptions().dtype(at::kFloat);
@@ -174,7 +176,7 @@ EvalData::EvalData(const TrainConfig& c) {
   source_ = make_data(eval);
   // Another stream from the same seed: a fixed odd offset (the golden ratio's bits) keeps it
   // apart from the training stream's for every seed.
-  seed_ = static_cast<uint64_t>(c.seed) * 2654435761u + 17 + 0x9E3779B97F4A7C15ull;
+  seed_ = data_seed(c.seed) + 0x9E3779B97F4A7C15ull;
   rewind();
 }
 

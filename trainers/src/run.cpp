@@ -46,6 +46,10 @@ bool autocast_enabled(const TrainConfig& c) {
   return c.mixed_precision == "fp16" && c.device == "cuda";
 }
 
+at::ScalarType autocast_dtype(const TrainConfig& c) {
+  return c.mixed_precision == "fp16" ? at::kHalf : at::kBFloat16;
+}
+
 at::ScalarType param_dtype(const TrainConfig& c) {
   if (c.full_bf16) return at::kBFloat16;
   return c.dtype == "float64" ? at::kDouble : at::kFloat;
@@ -110,8 +114,7 @@ double evaluate(Model& model, EvalData& data, const TrainConfig& c, const Distri
   for (int64_t i = 0; i < c.eval_batches; ++i) {
     const Batch batch = to_device(shard(data.next(), dist.config.rank, dist.config.world_size),
                                   device, dtype, loss_dtype);
-    AutocastGuard guard(autocast_enabled(c), device.type(),
-                        c.mixed_precision == "fp16" ? at::kHalf : at::kBFloat16);
+    AutocastGuard guard(autocast_enabled(c), device.type(), autocast_dtype(c));
     sum += model.loss(batch).to(at::kDouble).item<double>();
   }
   bool no_stop = false;
@@ -595,7 +598,6 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     }
   } unhook{end_bar_line};
   const bool autocast = autocast_enabled(c);
-  const at::ScalarType autocast_dtype = c.mixed_precision == "fp16" ? at::kHalf : at::kBFloat16;
 
   // ---- training: errors here are failures of the run
   const Clock::time_point start = Clock::now();
@@ -620,7 +622,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         memory::mark_phase("forward");
         at::Tensor loss;
         {
-          AutocastGuard guard(autocast, device.type(), autocast_dtype);
+          AutocastGuard guard(autocast, device.type(), autocast_dtype(c));
           loss = model->loss(batch);
         }
         if (!loss.requires_grad())
