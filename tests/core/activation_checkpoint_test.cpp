@@ -113,11 +113,7 @@ TEST(ActivationCheckpoint, GradientsAreTheSameBitForBit) {
 }
 
 TEST(ActivationCheckpoint, EveryStepModeTrainsAsWithoutIt) {
-  LoaderOptions o;
-  o.plugin_dirs = {FUSEBOX_PLUGIN_DIR};
-  o.use_environment = false;
-  o.use_default_dir = false;
-  PluginRegistry reg(o);
+  PluginRegistry reg(fusebox::testing::only({FUSEBOX_PLUGIN_DIR}));
   auto plugin = reg.load_by_name("adamw");
   const HyperParams hp = plugin->validate(fusebox::testing::args_for(*plugin));
   const Chain init(10, 3);

@@ -34,10 +34,7 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 std::shared_ptr<LoadedPlugin> plugin_named(const std::string& file) {
-  LoaderOptions o;
-  o.plugin_dirs = {FUSEBOX_PLUGIN_DIR};
-  o.use_environment = o.use_default_dir = false;
-  static PluginRegistry reg(o);
+  static PluginRegistry reg(fusebox::testing::only({FUSEBOX_PLUGIN_DIR}));
   return reg.load_file(file);
 }
 
@@ -222,10 +219,7 @@ TEST(Checkpoint, ResumeEqualsAnUninterruptedRunAcrossModesAndGroupings) {
 TEST(Checkpoint, StatefulPluginsResumeExactly) {
   // Every shipped plugin with optimizer state: per-parameter ones across modes, auto-LR ones
   // in normal mode.
-  LoaderOptions o;
-  o.plugin_dirs = {FUSEBOX_PLUGIN_DIR};
-  o.use_environment = o.use_default_dir = false;
-  PluginRegistry reg(o);
+  PluginRegistry reg(fusebox::testing::only({FUSEBOX_PLUGIN_DIR}));
   TinyLm init;
   for (const auto& p : reg.list()) {
     SCOPED_TRACE(p->info().name);

@@ -4,6 +4,7 @@
 #include "fusebox/core/memory_accounting.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/plugin_registry.h"
+#include "plugin_args.h"
 #include "tiny_lm.h"
 
 using namespace fusebox;
@@ -89,10 +90,7 @@ TEST(MemoryTracker, TheGuardRefusesWhatTheFreeMemoryCannotHold) {
 }
 
 TEST(MemoryAccounting, GradientBoundFollowsTheMode) {
-  LoaderOptions o;
-  o.plugin_dirs = {FUSEBOX_PLUGIN_DIR};
-  o.use_environment = o.use_default_dir = false;
-  PluginRegistry reg(o);
+  PluginRegistry reg(fusebox::testing::only({FUSEBOX_PLUGIN_DIR}));
   auto plugin = reg.load_file("adamw.so");
   fusebox::testing::TinyLm model(at::kFloat);
   HyperParams hp = plugin->validate({});

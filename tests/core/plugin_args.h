@@ -1,10 +1,23 @@
-// Hyperparameters for tests: ones that exercise more of an algorithm than its defaults do, and
-// an lr for plugins that require one.
+// Plugins for tests: loader options that search only given folders, and hyperparameters that
+// exercise more of an algorithm than its defaults do (an lr for plugins that require one).
 #pragma once
+
+#include <filesystem>
+#include <utility>
+#include <vector>
 
 #include "fusebox/core/plugin_registry.h"
 
 namespace fusebox::testing {
+
+/// Loader options that search `dirs` alone (no FUSEBOX_PLUGIN_PATH, no default folder).
+inline LoaderOptions only(std::vector<std::filesystem::path> dirs) {
+  LoaderOptions o;
+  o.plugin_dirs = std::move(dirs);
+  o.use_environment = false;
+  o.use_default_dir = false;
+  return o;
+}
 
 inline UserArgs args_for(const LoadedPlugin& p) {
   UserArgs a;

@@ -7,22 +7,16 @@
 #include "../scratch_dir.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
+#include "plugin_args.h"
 
 namespace fs = std::filesystem;
 using fusebox::Error;
 using fusebox::LoaderOptions;
 using fusebox::PluginRegistry;
+using fusebox::testing::only;
 using fusebox::testing::ScratchDir;
 
 namespace {
-
-LoaderOptions only(std::vector<fs::path> dirs) {
-  LoaderOptions o;
-  o.plugin_dirs = std::move(dirs);
-  o.use_environment = false;
-  o.use_default_dir = false;
-  return o;
-}
 
 // Runs `f`, expects fusebox::Error, returns its message.
 template <class F>

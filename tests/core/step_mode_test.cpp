@@ -15,17 +15,10 @@
 
 using namespace fusebox;
 using fusebox::testing::args_for;
+using fusebox::testing::only;
 using fusebox::testing::TinyLm;
 
 namespace {
-
-LoaderOptions only(std::vector<std::filesystem::path> dirs) {
-  LoaderOptions o;
-  o.plugin_dirs = std::move(dirs);
-  o.use_environment = false;
-  o.use_default_dir = false;
-  return o;
-}
 
 PluginRegistry& registry() {
   static PluginRegistry r(only({FUSEBOX_PLUGIN_DIR, FUSEBOX_TEST_PLUGIN_DIR}));
