@@ -5,10 +5,14 @@
 #include <torch/script.h>
 
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "config.h"
+#include "data.h"
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/error.h"
 #include "trainer_test_util.h"
 
 namespace fusebox::trainer {
@@ -152,6 +156,103 @@ def forward(self, x):
   EXPECT_EQ(losses(tmp.file("plain/metrics.jsonl")), losses(tmp.file("evaluated/metrics.jsonl")));
   const std::map<int64_t, double> evals = eval_losses(tmp.file("evaluated/metrics.jsonl"));
   EXPECT_EQ(evals, (std::map<int64_t, double>{{2, 2.0}, {4, 4.0}, {5, 5.0}}));
+}
+
+// --eval-holdout: a text file whose first 900 bytes are 'a' and last 100 'b'. With a tenth held
+// out, no training window holds a 'b' and no evaluation window an 'a'; without, training reads
+// the end too (so the first check can fail).
+TEST(TrainerEval, AHoldoutKeepsTheTextFilesEndFromTraining) {
+  TempDir tmp;
+  TrainConfig c;
+  c.model = "transformer", c.seq_len = 8, c.train_batch_size = 16, c.seed = 3;
+  c.dataset = c.eval_dataset = "text";
+  c.dataset_path = c.eval_dataset_path =
+      tmp.write("ab.txt", std::string(900, 'a') + std::string(100, 'b'));
+  auto tokens_seen = [](auto&& next, int batches) {
+    std::set<int64_t> seen;
+    for (int i = 0; i < batches; ++i) {
+      const Batch b = next();
+      for (const at::Tensor& t : {b.input, b.target}) {
+        const at::Tensor flat = t.contiguous().flatten();
+        const int64_t* data = flat.data_ptr<int64_t>();
+        seen.insert(data, data + flat.numel());
+      }
+    }
+    return seen;
+  };
+  const std::set<int64_t> a{'a'}, b{'b'}, ab{'a', 'b'};
+  c.eval_holdout = 0.1;
+  std::unique_ptr<DataSource> train = make_data(c);
+  EvalData eval(c);
+  EXPECT_EQ(tokens_seen([&] { return train->next(); }, 200), a);
+  EXPECT_EQ(tokens_seen([&] { return eval.next(); }, 20), b);
+  EXPECT_EQ(train->describe(),
+            "text " + c.dataset_path + " (the first 900 of 1000 bytes, 100 held out)");
+  EXPECT_EQ(eval.describe(),
+            "text " + c.dataset_path + " (the last 100 of 1000 bytes, held out for evaluation)");
+  c.eval_holdout = 0;
+  train = make_data(c);
+  EXPECT_EQ(tokens_seen([&] { return train->next(); }, 200), ab);
+  EvalData whole_file(c);
+  EXPECT_EQ(tokens_seen([&] { return whole_file.next(); }, 200), ab);
+  // A part shorter than a window is an error that says which and what to do.
+  c.eval_holdout = 0.005;
+  try {
+    EvalData too_short(c);
+    ADD_FAILURE() << "5 held-out bytes make no window of 9";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "text file " + c.dataset_path +
+                  " (1000 bytes): --eval-holdout 0.005 leaves 5 bytes for evaluation; --seq-len 8 "
+                  "needs at least 9 (hold out more, or give a longer file)");
+  }
+}
+
+// The trainer with --eval-holdout: the run's first line says what is held out; the evaluations
+// differ from those of windows anywhere in the file, the training losses too (other windows); a
+// holdout too short is refused before training, with --eval-every or without; resuming with
+// another holdout is named in a warning (the training data change).
+TEST(TrainerEval, TheTrainerTrainsOnTheRestAndEvaluatesOnTheHoldout) {
+  TempDir tmp;
+  const std::string text =
+      std::string(FUSEBOX_TEST_DATA) + "/../../data/pride-and-prejudice-ch1.txt";
+  const std::vector<std::string> args = {"--dataset", "text:" + text,         "--eval-every",
+                                         "2",         "--save-every-n-steps", "2"};
+  const Result whole = run_trainer(join(transformer(tmp.file("whole"), 4), args));
+  const Result held =
+      run_trainer(join(transformer(tmp.file("held"), 4), join(args, {"--eval-holdout", "0.2"})));
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  ASSERT_EQ(held.code, 0) << held.err;
+  EXPECT_NE(
+      held.out.find(" held out); eval: 4 batches every 2 steps from text " + text + " (the last "),
+      std::string::npos)
+      << held.out;
+  EXPECT_EQ(eval_losses(tmp.file("held/metrics.jsonl")).size(), 2u);
+  EXPECT_NE(eval_losses(tmp.file("held/metrics.jsonl")),
+            eval_losses(tmp.file("whole/metrics.jsonl")));
+  EXPECT_NE(losses(tmp.file("held/metrics.jsonl")), losses(tmp.file("whole/metrics.jsonl")));
+
+  const Result resumed =
+      run_trainer(join(transformer(tmp.file("resumed"), 4),
+                       join(args, {"--eval-holdout", "0.1", "--resume",
+                                   tmp.file("held") + "/" + checkpoint_name(2)})));
+  EXPECT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("settings differ from the run that wrote"), std::string::npos)
+      << resumed.err;
+  EXPECT_NE(resumed.err.find("eval_holdout = 0.1 (was 0.2)"), std::string::npos) << resumed.err;
+
+  for (const std::vector<std::string>& every :
+       {std::vector<std::string>{"--eval-every", "2"}, {}}) {
+    const Result short_part = run_trainer(join(
+        transformer(tmp.file("short"), 1),
+        join(every, {"--dataset", "text:" + text, "--seq-len", "64", "--eval-holdout", "0.001"})));
+    EXPECT_EQ(short_part.code, 2);
+    EXPECT_NE(short_part.err.find("--eval-holdout 0.001 leaves "), std::string::npos)
+        << short_part.err;
+    EXPECT_NE(short_part.err.find(" bytes for evaluation; --seq-len 64 needs at least 65"),
+              std::string::npos)
+        << short_part.err;
+  }
 }
 
 TEST(TrainerEval, AnEvaluationSettingWithoutEveryIsNamedInAWarning) {

@@ -240,6 +240,18 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
       throw Error(r.label("eval-dataset") + ": " + (c.dataset == "none" ? "--dataset is" : "is") +
                   " none: a script model takes data for both or for neither");
   }
+  // --eval-holdout splits the one text file: training never sees the evaluation's bytes.
+  if (const std::optional<double> holdout = r.maybe<double>("eval-holdout")) {
+    const std::string label = r.label("eval-holdout");
+    if (c.dataset != "text")
+      throw Error(label + ": holds out the end of a text file, but --dataset is " + c.dataset +
+                  " (give --dataset text:PATH, or leave it unset: the evaluation's " + c.dataset +
+                  " batches are a stream of their own already)");
+    if (!r.maybe<std::string>("eval-dataset").value_or("").empty())
+      throw Error(label + " and " + r.label("eval-dataset") +
+                  " both choose the evaluation's data: give one of them");
+    c.eval_holdout = *holdout;
+  }
 
   c.output_dir = r.get<std::string>("output-dir");
   c.log_every = r.get<int64_t>("log-every");

@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -20,6 +21,13 @@ uint64_t data_seed(int64_t seed) { return static_cast<uint64_t>(seed) * 26544357
 
 at::Generator data_generator(int64_t seed) {
   return at::detail::createCPUGenerator(data_seed(seed));
+}
+
+// A fraction as it was given (0.1, not 0.100000).
+std::string fraction_text(double f) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", f);
+  return text;
 }
 
 const at::TensorOptions kFloat = at::TensorOptions().dtype(at::kFloat);
@@ -72,23 +80,47 @@ class SequenceData : public DataSource {
   at::Tensor perm_;
 };
 
+// Which bytes of a text file a stream draws from. With --eval-holdout F the file's last F (rounded
+// down to whole bytes) is the evaluation's and the rest the training's: no window of the one
+// shares a byte with a window of the other.
+struct TextPart {
+  double holdout = 0;     ///< the fraction held out (0: none; the stream takes the whole file)
+  bool held_out = false;  ///< true: this is the evaluation's stream, the held-out end
+};
+
 class TextData : public DataSource {
  public:
-  TextData(const std::string& path, int64_t batch, int64_t window, int64_t seed, bool split)
+  TextData(const std::string& path, int64_t batch, int64_t window, int64_t seed, bool split,
+           TextPart part = {})
       : path_(path), batch_(batch), window_(window), split_(split), gen_(data_generator(seed)) {
     std::ifstream in(path, std::ios::binary);
     if (!in) throw Error("text file " + path + " cannot be read");
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (in.bad()) throw Error("text file " + path + " cannot be read");
+    const int64_t size = static_cast<int64_t>(bytes.size());
+    const int64_t held = static_cast<int64_t>(std::floor(static_cast<double>(size) * part.holdout));
+    const bool tail = part.held_out && part.holdout > 0;  // else the file, or its first part
+    const int64_t begin = tail ? size - held : 0, end = tail ? size : size - held;
     // One window of bytes is enough: every sample is then that window.
-    if (static_cast<int64_t>(bytes.size()) < window)
-      throw Error("text file " + path + " has " + std::to_string(bytes.size()) +
-                  " bytes; --seq-len " + std::to_string(window - 1) + " needs at least " +
-                  std::to_string(window));
+    if (end - begin < window) {
+      const std::string need =
+          "; --seq-len " + std::to_string(window - 1) + " needs at least " + std::to_string(window);
+      if (part.holdout == 0)
+        throw Error("text file " + path + " has " + std::to_string(size) + " bytes" + need);
+      throw Error("text file " + path + " (" + std::to_string(size) + " bytes): --eval-holdout " +
+                  fraction_text(part.holdout) + " leaves " + std::to_string(end - begin) +
+                  " bytes for " + (part.held_out ? "evaluation" : "training") + need +
+                  (part.held_out ? " (hold out more, or give a longer file)"
+                                 : " (hold out less, or give a longer file)"));
+    }
     // Kept as bytes (one per token, not eight): the file stays in memory for the whole run and
     // would otherwise weigh on every step's peak.
-    tokens_ = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-    std::memcpy(tokens_.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+    tokens_ = at::empty({end - begin}, at::kByte);
+    std::memcpy(tokens_.data_ptr<uint8_t>(), bytes.data() + begin, end - begin);
+    if (part.holdout > 0)
+      part_ = (part.held_out ? "the last " : "the first ") + std::to_string(end - begin) + " of " +
+              std::to_string(size) + " bytes, " +
+              (part.held_out ? "held out for evaluation" : std::to_string(held) + " held out");
   }
   Batch next() override {
     at::Tensor starts = at::randint(tokens_.size(0) - window_ + 1, {batch_}, gen_, kLong);
@@ -99,13 +131,15 @@ class TextData : public DataSource {
     return Batch{seq.slice(1, 0, window_ - 1), seq.slice(1, 1, window_), {}, {}};
   }
   std::string describe() const override {
-    return "text " + path_ + " (" + std::to_string(tokens_.size(0)) + " bytes)";
+    return "text " + path_ + " (" +
+           (part_.empty() ? std::to_string(tokens_.size(0)) + " bytes" : part_) + ")";
   }
 
  private:
   std::string path_;
   int64_t batch_, window_;
   bool split_;
+  std::string part_;  ///< with a held-out part: which bytes these are
   at::Generator& generator() override { return gen_; }
   at::Generator gen_;
   at::Tensor tokens_;
@@ -168,12 +202,32 @@ class NoData : public DataSource {
   at::Generator gen_ = data_generator(0);
 };
 
+// The stream of `c`'s training data, or of its evaluation data (--eval-dataset, or the held-out
+// end of the training text).
+std::unique_ptr<DataSource> make_stream(const TrainConfig& c, bool evaluation) {
+  const int64_t b = c.train_batch_size;
+  const std::string& dataset = evaluation ? c.eval_dataset : c.dataset;
+  const std::string& path = evaluation ? c.eval_dataset_path : c.dataset_path;
+  const TextPart part{c.eval_holdout, evaluation};
+  if (dataset == "none") return std::make_unique<NoData>();
+  if (c.model_script) {
+    if (dataset == "text")
+      return std::make_unique<TextData>(path, b, c.seq_len + 1, c.seed, false, part);
+    return std::make_unique<GaussianData>(b, c.model_width, c.seed);
+  }
+  if (c.model == "transformer") {
+    if (dataset == "text")
+      return std::make_unique<TextData>(path, b, c.seq_len + 1, c.seed, true, part);
+    return std::make_unique<SequenceData>(b, c.seq_len, c.vocab_size, c.seed);
+  }
+  if (c.model == "denoiser") return std::make_unique<ImageData>(b, c.image_size, c.seed);
+  return std::make_unique<MlpData>(b, c.model_width, c.seed);
+}
+
 }  // namespace
 
 EvalData::EvalData(const TrainConfig& c) {
-  TrainConfig eval = c;
-  eval.dataset = c.eval_dataset, eval.dataset_path = c.eval_dataset_path;
-  source_ = make_data(eval);
+  source_ = make_stream(c, true);
   // Another stream from the same seed: a fixed odd offset (the golden ratio's bits) keeps it
   // apart from the training stream's for every seed.
   seed_ = data_seed(c.seed) + 0x9E3779B97F4A7C15ull;
@@ -186,21 +240,8 @@ void EvalData::rewind() {
   gen.set_current_seed(seed_);
 }
 
-std::unique_ptr<DataSource> make_data(const TrainConfig& c) {
-  const int64_t b = c.train_batch_size;
-  if (c.dataset == "none") return std::make_unique<NoData>();
-  if (c.model_script) {
-    if (c.dataset == "text")
-      return std::make_unique<TextData>(c.dataset_path, b, c.seq_len + 1, c.seed, false);
-    return std::make_unique<GaussianData>(b, c.model_width, c.seed);
-  }
-  if (c.model == "transformer") {
-    if (c.dataset == "text")
-      return std::make_unique<TextData>(c.dataset_path, b, c.seq_len + 1, c.seed, true);
-    return std::make_unique<SequenceData>(b, c.seq_len, c.vocab_size, c.seed);
-  }
-  if (c.model == "denoiser") return std::make_unique<ImageData>(b, c.image_size, c.seed);
-  return std::make_unique<MlpData>(b, c.model_width, c.seed);
-}
+std::string EvalData::describe() const { return source_->describe(); }
+
+std::unique_ptr<DataSource> make_data(const TrainConfig& c) { return make_stream(c, false); }
 
 }  // namespace fusebox::trainer

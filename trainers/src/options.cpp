@@ -237,6 +237,12 @@ std::vector<OptionSpec> build_specs() {
           "the evaluation's data, as --dataset (default: --dataset's kind, drawn from a stream "
           "of its own; give a text file of its own to hold text out)",
           "SPEC"));
+  OptionSpec& holdout = add(opt("eval-holdout", Kind::Real, {},
+                                "with --dataset text:PATH: the file's last fraction F is for "
+                                "evaluation only and never trained on (unset: nothing held out)",
+                                "F"));
+  above(holdout, 0);
+  at_most(holdout, 0.5);
 
   section = "Output";
   add(opt("output-dir", Kind::Text, std::string("output"),

@@ -400,7 +400,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       model = make_builtin_model(mo);
     }
     data = make_data(c);
-    if (c.eval_every > 0) eval_data = std::make_unique<EvalData>(c);
+    // A held-out part too short for one window is an error now, without --eval-every too, not
+    // first when a resumed run evaluates.
+    if (c.eval_every > 0)
+      eval_data = std::make_unique<EvalData>(c);
+    else if (c.eval_holdout > 0)
+      const EvalData check(c);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -523,7 +528,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << (c.gradient_checkpointing ? ", blocks recomputed in backward" : "")
           << "; data: " << data->describe()
           << (eval_data ? "; eval: " + std::to_string(c.eval_batches) + " batches every " +
-                              std::to_string(c.eval_every) + " steps"
+                              std::to_string(c.eval_every) + " steps" +
+                              (c.eval_dataset == "text" ? " from " + eval_data->describe() : "")
                         : std::string())
           << "; optimizer: " << plugin.info().name << " (" << summary.mode << ", "
           << mode->optimizers().size() << " optimizer"
