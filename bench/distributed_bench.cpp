@@ -143,13 +143,9 @@ std::unique_ptr<Trial> make_trial(const LoadedPlugin& plugin, const HyperParams&
     else
       o.bucket_bytes = std::numeric_limits<int64_t>::max();  // one bucket, after backward
   }
-  const auto groups = t->model.groups();
-  if (c.mode == "normal") t->step_mode = make_normal_step(plugin.create(groups, hp), o);
-  if (c.mode == "fused") t->step_mode = make_fused_backward(plugin.create(groups, hp), o);
-  if (c.mode == "groups")
-    t->step_mode = make_optimizer_groups(
-        groups, kGroups, SplitPolicy::Size,
-        [&](std::vector<ParamGroup> g) { return plugin.create(std::move(g), hp); }, o);
+  t->step_mode = make_step_mode(
+      {c.mode, kGroups}, t->model.groups(),
+      [&](std::vector<ParamGroup> g) { return plugin.create(std::move(g), hp); }, o);
   return t;
 }
 

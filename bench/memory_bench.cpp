@@ -143,12 +143,10 @@ std::unique_ptr<Trial> make_trial(const LoadedPlugin* plugin, const ChainModel& 
   StepOptions o;
   o.warn = [](const std::string&) {};
   o.check_finite = o.track_grad_norm = spec.checks;
-  if (spec.kind == "normal") t->mode = make_normal_step(plugin->create(t->model.groups(), hp), o);
-  if (spec.kind == "fused") t->mode = make_fused_backward(plugin->create(t->model.groups(), hp), o);
+  t->mode = make_step_mode(
+      {spec.kind, spec.groups, spec.policy}, t->model.groups(),
+      [&](std::vector<ParamGroup> g) { return plugin->create(std::move(g), hp); }, o);
   if (spec.kind == "groups") {
-    t->mode = make_optimizer_groups(
-        t->model.groups(), spec.groups, spec.policy,
-        [&](std::vector<ParamGroup> g) { return plugin->create(std::move(g), hp); }, o);
     t->largest_group = 0;
     for (auto& s : split_param_groups(t->model.groups(), spec.groups, spec.policy)) {
       int64_t b = 0;

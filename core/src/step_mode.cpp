@@ -327,4 +327,14 @@ std::unique_ptr<StepMode> make_normal_step(std::shared_ptr<Optimizer> optimizer,
   return std::make_unique<NormalStep>(std::move(optimizer), std::move(options));
 }
 
+std::unique_ptr<StepMode> make_step_mode(const ModeChoice& choice,
+                                         const std::vector<ParamGroup>& groups,
+                                         const OptimizerFactory& make, StepOptions options) {
+  if (choice.name == "normal") return make_normal_step(make(groups), std::move(options));
+  if (choice.name == "fused") return make_fused_backward(make(groups), std::move(options));
+  if (choice.name == "groups")
+    return make_optimizer_groups(groups, choice.groups, choice.split, make, std::move(options));
+  throw Error("make_step_mode: unknown mode '" + choice.name + "' (normal, fused or groups)");
+}
+
 }  // namespace fusebox

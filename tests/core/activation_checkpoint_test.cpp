@@ -120,15 +120,9 @@ TEST(ActivationCheckpoint, EveryStepModeTrainsAsWithoutIt) {
   auto train = [&](const std::string& mode, bool checkpointed) {
     Chain c = init.clone();
     StepOptions so;
-    std::unique_ptr<StepMode> m;
-    if (mode == "normal")
-      m = make_normal_step(plugin->create(c.groups(), hp), so);
-    else if (mode == "fused")
-      m = make_fused_backward(plugin->create(c.groups(), hp), so);
-    else
-      m = make_optimizer_groups(
-          c.groups(), 2, SplitPolicy::Count,
-          [&](std::vector<ParamGroup> g) { return plugin->create(std::move(g), hp); }, so);
+    std::unique_ptr<StepMode> m = make_step_mode(
+        {mode, 2, SplitPolicy::Count}, c.groups(),
+        [&](std::vector<ParamGroup> g) { return plugin->create(std::move(g), hp); }, so);
     for (int64_t s = 0; s < 3; ++s) {
       m->backward(c.loss(batch(s, 10), checkpointed));
       m->step();

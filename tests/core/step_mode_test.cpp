@@ -58,15 +58,9 @@ Result train(const LoadedPlugin& plugin, const TinyLm& init, const ModeRun& run,
     o.loss_scaler = std::make_shared<LossScaler>(ls);
   }
   o.warn = [&r](const std::string& m) { r.warnings.push_back(m); };
-  std::unique_ptr<StepMode> mode;
-  if (run.mode == "normal")
-    mode = make_normal_step(plugin.create(model.groups(), hp), o);
-  else if (run.mode == "fused")
-    mode = make_fused_backward(plugin.create(model.groups(), hp), o);
-  else
-    mode = make_optimizer_groups(
-        model.groups(), run.groups, run.policy,
-        [&](std::vector<ParamGroup> g) { return plugin.create(std::move(g), hp); }, o);
+  std::unique_ptr<StepMode> mode = make_step_mode(
+      {run.mode, run.groups, run.policy}, model.groups(),
+      [&](std::vector<ParamGroup> g) { return plugin.create(std::move(g), hp); }, o);
   SchedulerOptions so;
   so.type = "cosine";
   so.total_steps = steps;
@@ -244,11 +238,9 @@ ParamGroup named_group(std::vector<at::Tensor> params, std::vector<std::string> 
 std::unique_ptr<StepMode> make_mode(const std::string& mode_name, const LoadedPlugin& plugin,
                                     const ParamGroup& g, const StepOptions& o = {}) {
   const HyperParams hp = plugin.validate({});
-  if (mode_name == "normal") return make_normal_step(plugin.create({g}, hp), o);
-  if (mode_name == "fused") return make_fused_backward(plugin.create({g}, hp), o);
-  return make_optimizer_groups(
-      {g}, 2, SplitPolicy::Count, [&](std::vector<ParamGroup> x) { return plugin.create(x, hp); },
-      o);
+  return make_step_mode(
+      {mode_name, 2, SplitPolicy::Count}, {g},
+      [&](std::vector<ParamGroup> x) { return plugin.create(std::move(x), hp); }, o);
 }
 
 // A parameter hooked by a fused or grouped mode is stepped once per backward() of that mode, and
@@ -457,6 +449,29 @@ TEST(StepModes, APluginsCapabilitiesAreCheckedByTheModes) {
     EXPECT_NE(make_normal_step(plugin->create(model.groups(), hp)), nullptr);
     EXPECT_EQ(fusebox::plugin_of(*plugin->create(model.groups(), hp))->name, plugin->info().name);
   }
+}
+
+// make_step_mode builds the mode its choice names, with that many groups; a misspelt name is an
+// error that lists the three.
+TEST(StepModes, MakeStepModeBuildsTheNamedMode) {
+  auto plugin = registry().load_file("sgd.so");
+  const HyperParams hp = plugin->validate({});
+  TinyLm model;
+  const OptimizerFactory make = [&](std::vector<ParamGroup> g) {
+    return plugin->create(std::move(g), hp);
+  };
+  for (const char* name : {"normal", "fused", "groups"}) {
+    const std::unique_ptr<StepMode> mode = make_step_mode({name, 3}, model.groups(), make);
+    EXPECT_EQ(mode->name(), name);
+    EXPECT_EQ(mode->optimizers().size(), std::string(name) == "groups" ? 3u : 1u);
+  }
+  std::string m;
+  try {
+    make_step_mode({"fusd"}, model.groups(), make);
+  } catch (const Error& e) {
+    m = e.what();
+  }
+  EXPECT_EQ(m, "make_step_mode: unknown mode 'fusd' (normal, fused or groups)");
 }
 
 // The hooked modes need leaf tensors that require gradients; the one that is not is named.

@@ -480,18 +480,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     ls.growth_interval = c.loss_scale_growth_interval;
     so.loss_scaler = std::make_shared<LossScaler>(ls);
   }
-  std::unique_ptr<StepMode> mode;
-  if (c.fused_backward_pass) {
-    mode = make_fused_backward(plugin.create(groups, hp), so);
-  } else if (c.fused_optimizer_groups > 0) {
-    const SplitPolicy policy =
-        c.fused_optimizer_groups_split == "count" ? SplitPolicy::Count : SplitPolicy::Size;
-    mode = make_optimizer_groups(
-        groups, c.fused_optimizer_groups, policy,
-        [&](std::vector<ParamGroup> g) { return plugin.create(std::move(g), hp); }, so);
-  } else {
-    mode = make_normal_step(plugin.create(groups, hp), so);
-  }
+  const ModeChoice choice{
+      c.mode(), c.fused_optimizer_groups,
+      c.fused_optimizer_groups_split == "count" ? SplitPolicy::Count : SplitPolicy::Size};
+  std::unique_ptr<StepMode> mode = make_step_mode(
+      choice, groups, [&](std::vector<ParamGroup> g) { return plugin.create(std::move(g), hp); },
+      so);
   SchedulerOptions sched;
   sched.type = c.lr_scheduler;
   sched.warmup_steps = c.lr_warmup_steps;

@@ -166,15 +166,9 @@ int main(int argc, char** argv) {
     HyperParams hp = plugin->validate(args);
 
     Model model = make_model(model_kind);
-    std::unique_ptr<StepMode> step_mode;
-    if (mode == "normal")
-      step_mode = make_normal_step(plugin->create(model.groups(), hp), so);
-    else if (mode == "fused")
-      step_mode = make_fused_backward(plugin->create(model.groups(), hp), so);
-    else
-      step_mode = make_optimizer_groups(
-          model.groups(), groups, SplitPolicy::Size,
-          [&](std::vector<ParamGroup> g) { return plugin->create(std::move(g), hp); }, so);
+    std::unique_ptr<StepMode> step_mode = make_step_mode(
+        {mode, groups}, model.groups(),
+        [&](std::vector<ParamGroup> g) { return plugin->create(std::move(g), hp); }, so);
 
     const int64_t rows = kRows / dc.world_size;
     for (int64_t s = 0; s < steps; ++s) {

@@ -126,6 +126,19 @@ std::unique_ptr<StepMode> make_optimizer_groups(const std::vector<ParamGroup>& g
                                                 SplitPolicy policy, const OptimizerFactory& make,
                                                 StepOptions options = {});
 
+/// Which of the three modes to build, as a trainer's options choose it.
+struct ModeChoice {
+  std::string name = "normal";            ///< "normal", "fused" or "groups"
+  int64_t groups = 1;                     ///< groups: how many optimizers
+  SplitPolicy split = SplitPolicy::Size;  ///< groups: how the parameters are cut
+};
+
+/// The mode `choice` names over `groups`, its optimizer(s) built by `make`: make_normal_step,
+/// make_fused_backward or make_optimizer_groups. An unknown name throws Error.
+std::unique_ptr<StepMode> make_step_mode(const ModeChoice& choice,
+                                         const std::vector<ParamGroup>& groups,
+                                         const OptimizerFactory& make, StepOptions options = {});
+
 /// ZeRO stage 1: the rank owning each parameter of `groups` (in order) when `world` ranks share
 /// the optimizer state: contiguous runs balanced by bytes.
 std::vector<int> parameter_owners(const std::vector<ParamGroup>& groups, int world);
