@@ -177,6 +177,13 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"eval text for the mlp", "--optimizer sgd --eval-dataset text:{dir}/malformed_script.pt",
        "--eval-dataset: text data is for the transformer model, not mlp", 2},
       {"eval every -1", "--optimizer sgd --eval-every -1", "--eval-every", 2},
+      {"best model without a model file", "--optimizer sgd --eval-every 1 --save-model-at best",
+       "--save-model-at: best chooses what --save-model holds, and --save-model is unset", 2},
+      {"best model without evaluations",
+       "--optimizer sgd --save-model-at best --save-model {dir}/m.pt",
+       "--save-model-at: best keeps the parameters of the best evaluation, and there are none; "
+       "give --eval-every N",
+       2},
       {"holdout of synthetic data", "--optimizer sgd --eval-holdout 0.1",
        "--eval-holdout: holds out the end of a text file, but --dataset is synthetic", 2},
       {"holdout of over half", "--optimizer sgd --eval-holdout 0.6",

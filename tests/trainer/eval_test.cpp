@@ -255,6 +255,68 @@ TEST(TrainerEval, TheTrainerTrainsOnTheRestAndEvaluatesOnTheHoldout) {
   }
 }
 
+// --save-model-at best: with a learning rate this large the first evaluation is the best one (by
+// 0.07 and more), so the file holds the parameters after step 1, not the last ones; a run resumed
+// from step 4 knows that best and leaves the file alone (forgetting it, it would write step 5's).
+TEST(TrainerEval, SaveModelAtBestKeepsTheBestEvaluationsParametersAcrossAResume) {
+  TempDir tmp;
+  const std::string model = tmp.file("best.pt");
+  const std::vector<std::string> args = {
+      "--eval-every", "1",   "--optimizer-args", "lr=0.2", "--save-every-n-steps", "1",
+      "--save-model", model, "--save-model-at",  "best"};
+  const Result r = run_trainer(join(transformer(tmp.file("whole"), 8), args));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::map<int64_t, double> evals = eval_losses(tmp.file("whole/metrics.jsonl"));
+  ASSERT_EQ(evals.size(), 8u);
+  int64_t best = 1;
+  for (const auto& [step, loss] : evals)
+    if (loss < evals.at(best)) best = step;
+  ASSERT_EQ(best, 1) << "the scenario needs an earlier best evaluation";
+  auto same = [](const std::map<std::string, at::Tensor>& a,
+                 const std::map<std::string, at::Tensor>& b) {
+    if (a.size() != b.size()) return false;
+    for (const auto& [name, t] : a)
+      if (!b.count(name) || !at::equal(t, b.at(name))) return false;
+    return true;
+  };
+  const auto saved = load_model_weights(model);
+  EXPECT_TRUE(same(saved, load_checkpoint(tmp.file("whole/" + checkpoint_name(1))).model));
+  EXPECT_FALSE(same(saved, load_checkpoint(tmp.file("whole/" + checkpoint_name(8))).model));
+  const std::string summary = read_text(tmp.file("whole/summary.json"));
+  EXPECT_NE(summary.find(",\"best_eval_step\":1}"), std::string::npos) << summary;
+  EXPECT_NE(r.out.find("; best "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" after step 1)"), std::string::npos) << r.out;
+
+  const std::string bytes = read_text(model);
+  const Result resumed =
+      run_trainer(join(transformer(tmp.file("resumed"), 8),
+                       join(args, {"--resume", tmp.file("whole/" + checkpoint_name(4))})));
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_TRUE(read_text(model) == bytes) << "the resumed run replaced the best model";
+  EXPECT_NE(read_text(tmp.file("resumed/summary.json")).find(",\"best_eval_step\":1}"),
+            std::string::npos);
+
+  // A checkpoint whose saved best is malformed is refused before training.
+  Checkpoint bad = load_checkpoint(tmp.file("whole/" + checkpoint_name(4)));
+  bad.meta["best_eval_loss"] = "nan";
+  save_checkpoint(bad, tmp.file("bad.fbx"));
+  const Result refused = run_trainer(
+      join(transformer(tmp.file("refused"), 8), join(args, {"--resume", tmp.file("bad.fbx")})));
+  EXPECT_EQ(refused.code, 2);
+  EXPECT_NE(refused.err.find("--resume: the saved best evaluation ('nan') is malformed"),
+            std::string::npos)
+      << refused.err;
+  EXPECT_TRUE(read_text(model) == bytes);
+
+  // The default, last: the parameters after the last step.
+  const Result last = run_trainer(
+      join(transformer(tmp.file("last"), 8), {"--optimizer-args", "lr=0.2", "--eval-every", "1",
+                                              "--save-every-n-steps", "8", "--save-model", model}));
+  ASSERT_EQ(last.code, 0) << last.err;
+  EXPECT_TRUE(same(load_model_weights(model),
+                   load_checkpoint(tmp.file("last/" + checkpoint_name(8))).model));
+}
+
 TEST(TrainerEval, AnEvaluationSettingWithoutEveryIsNamedInAWarning) {
   TempDir tmp;
   const Result r = run_trainer(join(transformer(tmp.file("out"), 1), {"--eval-batches", "2"}));

@@ -1,5 +1,6 @@
 #include "checkpoint.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -142,7 +143,8 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
                                           "save_every_n_steps",
                                           "keep_last_n_checkpoints",
                                           "resume",
-                                          "save_model"};
+                                          "save_model",
+                                          "save_model_at"};
   const auto before = written_settings(it->second), now = written_settings(c.resolved_config);
   std::string out;
   int shown = 0, more = 0;
@@ -162,6 +164,20 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
     if (!now.count(key)) note(key, was, "unset");
   if (more) out += " and " + std::to_string(more) + " more";
   return out;
+}
+
+std::optional<BestEval> restore_best_eval(const Checkpoint& ckpt) {
+  auto loss = ckpt.meta.find("best_eval_loss");
+  auto step = ckpt.counters.find("best_eval_step");
+  if (loss == ckpt.meta.end() && step == ckpt.counters.end()) return std::nullopt;
+  const char* text = loss == ckpt.meta.end() ? "" : loss->second.c_str();
+  char* end = nullptr;
+  const double value = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !std::isfinite(value) || step == ckpt.counters.end() ||
+      step->second < 1)
+    throw Error("--resume: the saved best evaluation ('" + std::string(text) +
+                "') is malformed: the checkpoint was not written by fusebox's trainer");
+  return BestEval{value, step->second};
 }
 
 std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
@@ -236,6 +252,10 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   if (ctx.skipped_in_a_row) ckpt.counters["skipped_in_a_row"] = *ctx.skipped_in_a_row;
   if (ctx.last_metrics_record && !ctx.last_metrics_record->empty())
     ckpt.meta["last_metrics_record"] = *ctx.last_metrics_record;
+  if (ctx.best_eval && *ctx.best_eval) {
+    ckpt.meta["best_eval_loss"] = exact_text((*ctx.best_eval)->loss);
+    ckpt.counters["best_eval_step"] = (*ctx.best_eval)->step;
+  }
   if (ctx.loss_scaler) {
     // Hexadecimal: the scale comes back bit for bit. The mode and configured start let a resumed
     // run tell a continued scale from one the user chose anew.

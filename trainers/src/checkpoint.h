@@ -52,6 +52,18 @@ int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrSchedul
                                DataSource& data,
                                const std::optional<StateShare>& share = std::nullopt);
 
+/// The lowest evaluation loss so far and the step it came after (--eval-every). Checkpoints keep
+/// it, so a resumed run with --save-model-at best replaces the saved model only with a better
+/// one, as the uninterrupted run would.
+struct BestEval {
+  double loss = 0;
+  int64_t step = 0;
+};
+
+/// The best evaluation a checkpoint saved; nullopt when it has none (a run without evaluations).
+/// Throws Error when the entry is malformed.
+std::optional<BestEval> restore_best_eval(const Checkpoint& ckpt);
+
 /// Everything a checkpoint save needs from the run loop.
 struct CheckpointContext {
   const TrainConfig& config;
@@ -65,7 +77,8 @@ struct CheckpointContext {
   bool sharded = false;                ///< ZeRO-1: the state is gathered from every rank first
   const int64_t* skipped_in_a_row = nullptr;  ///< saved as a counter when given
   const LossScaler* loss_scaler = nullptr;    ///< its scale and progress are saved when given
-  const std::string* last_metrics_record = nullptr;  ///< saved when given (see MetricsFiles)
+  const std::string* last_metrics_record = nullptr;    ///< saved when given (see MetricsFiles)
+  const std::optional<BestEval>* best_eval = nullptr;  ///< saved when given and set
 };
 
 /// Continues `scaler` from the scale a checkpoint saved (a dynamic scale goes on where it was);

@@ -259,6 +259,15 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.keep_last_n_checkpoints = r.get<int64_t>("keep-last-n-checkpoints");
   c.resume = r.maybe_path("resume");
   c.save_model = r.maybe_path("save-model");
+  c.save_best_eval = r.get<std::string>("save-model-at") == "best";
+  if (c.save_best_eval && !c.save_model)
+    throw Error(r.label("save-model-at") +
+                ": best chooses what --save-model holds, and --save-model is unset; give "
+                "--save-model PATH");
+  if (c.save_best_eval && c.eval_every == 0)
+    throw Error(r.label("save-model-at") +
+                ": best keeps the parameters of the best evaluation, and there are none; "
+                "give --eval-every N");
   if (c.resume) {
     std::error_code ec;
     if (*c.resume != "latest" && !fs::exists(*c.resume, ec))

@@ -69,6 +69,7 @@ struct TrainConfig {
   std::string output_dir;
   int64_t log_every = 0, save_every_n_steps = 0, keep_last_n_checkpoints = 0;
   std::optional<std::string> resume, save_model;
+  bool save_best_eval = false;  ///< --save-model-at best
   std::string resolved_config;  ///< this run's settings as TOML (saved in checkpoints)
 
   /// "normal", "fused" or "groups".

@@ -262,6 +262,12 @@ std::vector<OptionSpec> build_specs() {
           "PATH|DIR|latest"));
   add(opt("save-model", Kind::Text, {}, "write the trained parameters to this file (empty: do not)",
           "PATH"));
+  choices(add(opt("save-model-at", Kind::Choice, std::string("last"),
+                  "which parameters --save-model holds: those after the last step, or those of "
+                  "the evaluation with the lowest loss (best: written when reached; needs "
+                  "--eval-every)",
+                  "last|best")),
+          {"last", "best"});
   return v;
 }
 

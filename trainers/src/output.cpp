@@ -92,6 +92,9 @@ std::string summary_json(const RunSummary& s) {
     << ",\"weights_bytes\":" << s.weights_bytes << ",\"optimizer_state_bytes\":" << s.state_bytes
     << ",\"grads_alive_bytes\":" << s.grads_alive_bytes;
   if (s.eval_loss) o << ",\"eval_loss\":" << json_number(*s.eval_loss);
+  if (s.best_eval_loss)
+    o << ",\"best_eval_loss\":" << json_number(*s.best_eval_loss)
+      << ",\"best_eval_step\":" << s.best_eval_step;
   o << "}\n";
   return o.str();
 }
@@ -102,7 +105,12 @@ std::string summary_text(const RunSummary& s) {
     << s.optimizer << "): " << s.steps << " steps in " << std::fixed << std::setprecision(2)
     << s.wall_seconds << " s; loss " << short_number(s.first_loss) << " -> "
     << short_number(s.last_loss);
-  if (s.eval_loss) o << " (eval " << short_number(*s.eval_loss) << ")";
+  if (s.eval_loss) {
+    o << " (eval " << short_number(*s.eval_loss);
+    if (s.best_eval_loss && *s.best_eval_loss != *s.eval_loss)
+      o << "; best " << short_number(*s.best_eval_loss) << " after step " << s.best_eval_step;
+    o << ")";
+  }
   o << "; peak tensor memory " << memory::format_bytes(s.peak_bytes);
   if (!s.peak_phase.empty()) o << " (during " << s.peak_phase << ")";
   if (s.skipped_steps > 0)

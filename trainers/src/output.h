@@ -40,7 +40,9 @@ struct RunSummary {
   int64_t parameters = 0;
   std::string memory_breakdown;  ///< analytic accounting next to the measured peak
   int64_t weights_bytes = 0, state_bytes = 0, grads_alive_bytes = 0;
-  std::optional<double> eval_loss;  ///< --eval-every: the last held-out loss
+  std::optional<double> eval_loss;       ///< --eval-every: the last held-out loss
+  std::optional<double> best_eval_loss;  ///< --eval-every: the lowest held-out loss so far
+  int64_t best_eval_step = 0;            ///< the step best_eval_loss came after
 };
 
 /// The columns of a run's metrics files besides the fixed ones.

@@ -97,6 +97,16 @@ double mean_over_ranks(double value, const Distributed& dist, bool& stop) {
 
 std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
 
+// --save-model's file: the model's parameters, written atomically. A folder below --output-dir
+// may not exist yet (the planning checked it can be made).
+void write_model(Model& model, const std::string& path) {
+  const std::filesystem::path folder = std::filesystem::path(path).parent_path();
+  std::error_code ec;
+  if (!folder.empty() && !std::filesystem::create_directories(folder, ec) && ec)
+    throw Error("cannot create the folder " + folder.string() + " (" + ec.message() + ")");
+  model.save(path);
+}
+
 // The evaluation of --eval-every: the mean loss of the held-out batches (each rank its share, as
 // in training), in evaluation mode and without gradients, under the training's autocast. Nothing
 // of the training changes: not the parameters, buffers, data stream or random generators.
@@ -512,6 +522,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   if (resumed)
     if (auto it = resumed->counters.find("skipped_in_a_row"); it != resumed->counters.end())
       skipped_in_a_row = std::max<int64_t>(0, it->second);
+  // The best evaluation so far, carried across a resume like the skips.
+  std::optional<BestEval> best_eval = resumed ? restore_best_eval(*resumed) : std::nullopt;
 
   RunSummary summary;
   summary.name = c.name;
@@ -587,7 +599,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                    so.shard_optimizer_state,
                                    &skipped_in_a_row,
                                    so.loss_scaler.get(),
-                                   &files.last_record()};  // the newest metrics record
+                                   &files.last_record(),  // the newest metrics record
+                                   &best_eval};
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]", first_step);
   end_bar_line = [&progress] { progress.finish(); };
@@ -710,6 +723,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       if (eval_data && (step % c.eval_every == 0 || final)) {
         m.eval_loss = evaluate(*model, *eval_data, c, dist, device, dtype, loss_dtype);
         summary.eval_loss = m.eval_loss;
+        if (std::isfinite(*m.eval_loss) && (!best_eval || *m.eval_loss < best_eval->loss)) {
+          best_eval = BestEval{*m.eval_loss, step};
+          if (c.save_best_eval && dist.leader()) write_model(*model, *c.save_model);
+        }
       }
       if (first) summary.first_loss = m.loss, first = false;
       summary.last_loss = m.loss;
@@ -751,6 +768,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   progress.finish();
   summary.wall_seconds = seconds_since(start);
+  if (best_eval) summary.best_eval_loss = best_eval->loss, summary.best_eval_step = best_eval->step;
   if (scaled) summary.loss_scale = so.loss_scaler->scale();
   memory::Breakdown acct;
   try {
@@ -769,14 +787,14 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                                : " (training finished; its checkpoints are in " +
                                                      c.output_dir + ")"));
   }
-  if (c.save_model && dist.leader()) {
+  if (c.save_best_eval && !best_eval && dist.leader())
+    con.err << ("trainer: warning: " + c.message_prefix() +
+                "no evaluation had a finite loss, so --save-model " + *c.save_model +
+                " was not written (--save-model-at best)\n")
+            << std::flush;
+  if (c.save_model && !c.save_best_eval && dist.leader()) {
     try {
-      // A folder below --output-dir may not exist yet (the planning checked it can be made).
-      const std::filesystem::path folder = std::filesystem::path(*c.save_model).parent_path();
-      std::error_code ec;
-      if (!folder.empty() && !std::filesystem::create_directories(folder, ec) && ec)
-        throw Error("cannot create the folder " + folder.string() + " (" + ec.message() + ")");
-      model->save(*c.save_model);
+      write_model(*model, *c.save_model);
     } catch (const std::exception& e) {
       throw TrainingFailed(failed_in + first_line(e.what()) +
                            (c.output_dir.empty()
