@@ -184,6 +184,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
        "--save-model-at: best keeps the parameters of the best evaluation, and there are none; "
        "give --eval-every N",
        2},
+      {"early stop without evaluations", "--optimizer sgd --early-stop-patience 2",
+       "--early-stop-patience: counts evaluations, and there are none; give --eval-every N", 2},
       {"holdout of synthetic data", "--optimizer sgd --eval-holdout 0.1",
        "--eval-holdout: holds out the end of a text file, but --dataset is synthetic", 2},
       {"holdout of over half", "--optimizer sgd --eval-holdout 0.6",

@@ -317,6 +317,46 @@ TEST(TrainerEval, SaveModelAtBestKeepsTheBestEvaluationsParametersAcrossAResume)
                    load_checkpoint(tmp.file("last/" + checkpoint_name(8))).model));
 }
 
+// --early-stop-patience 3 in the same scenario (the best evaluation after step 1, none better
+// after it): the run stops after step 4 with a checkpoint there, exit 0, and says so. Resumed
+// with the same patience there is nothing to do; with 5 it trains on and stops after step 6, as
+// an uninterrupted run with patience 5 does.
+TEST(TrainerEval, EarlyStopPatienceStopsAfterEvaluationsWithoutABetterLossAcrossAResume) {
+  TempDir tmp;
+  const std::vector<std::string> args = {"--eval-every", "1", "--optimizer-args", "lr=0.2"};
+  auto patience = [&](int n) { return join(args, {"--early-stop-patience", std::to_string(n)}); };
+  const Result three = run_trainer(join(transformer(tmp.file("three"), 8), patience(3)));
+  ASSERT_EQ(three.code, 0) << three.err;
+  EXPECT_EQ(eval_losses(tmp.file("three/metrics.jsonl")).size(), 4u);
+  EXPECT_TRUE(std::filesystem::exists(tmp.file("three/" + checkpoint_name(4))));
+  EXPECT_NE(three.out.find("; stopped early after step 4: 3 evaluations in a row without a "
+                           "better loss"),
+            std::string::npos)
+      << three.out;
+  const std::string summary = read_text(tmp.file("three/summary.json"));
+  EXPECT_NE(summary.find("\"steps\":4,"), std::string::npos) << summary;
+  EXPECT_NE(summary.find(",\"stopped_early_at\":4}"), std::string::npos) << summary;
+
+  const std::string from = tmp.file("three/" + checkpoint_name(4));
+  const Result again =
+      run_trainer(join(transformer(tmp.file("again"), 8), join(patience(3), {"--resume", from})));
+  EXPECT_EQ(again.code, 2);
+  EXPECT_NE(again.err.find("--resume: the checkpoint's run stopped early: 3 evaluations in a row "
+                           "did not beat the best one (after step 1); to train on, raise "
+                           "--early-stop-patience above 3"),
+            std::string::npos)
+      << again.err;
+  const Result five =
+      run_trainer(join(transformer(tmp.file("five"), 8), join(patience(5), {"--resume", from})));
+  const Result whole = run_trainer(join(transformer(tmp.file("whole"), 8), patience(5)));
+  ASSERT_EQ(five.code, 0) << five.err;
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  EXPECT_NE(five.out.find("stopped early after step 6: 5 evaluations"), std::string::npos)
+      << five.out;
+  EXPECT_EQ(losses(tmp.file("five/metrics.jsonl")), losses(tmp.file("whole/metrics.jsonl")));
+  EXPECT_EQ(losses(tmp.file("whole/metrics.jsonl")).size(), 6u);
+}
+
 TEST(TrainerEval, AnEvaluationSettingWithoutEveryIsNamedInAWarning) {
   TempDir tmp;
   const Result r = run_trainer(join(transformer(tmp.file("out"), 1), {"--eval-batches", "2"}));

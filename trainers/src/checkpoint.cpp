@@ -133,6 +133,7 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
                                           "eval_every",
                                           "eval_batches",
                                           "eval_dataset",
+                                          "early_stop_patience",
                                           "nproc_per_node",
                                           "dist_timeout",
                                           "dist_bucket_mb",
@@ -177,7 +178,9 @@ std::optional<BestEval> restore_best_eval(const Checkpoint& ckpt) {
       step->second < 1)
     throw Error("--resume: the saved best evaluation ('" + std::string(text) +
                 "') is malformed: the checkpoint was not written by fusebox's trainer");
-  return BestEval{value, step->second};
+  auto since = ckpt.counters.find("best_eval_evals_since");
+  return BestEval{value, step->second,
+                  since == ckpt.counters.end() ? 0 : std::max<int64_t>(0, since->second)};
 }
 
 std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
@@ -255,6 +258,7 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   if (ctx.best_eval && *ctx.best_eval) {
     ckpt.meta["best_eval_loss"] = exact_text((*ctx.best_eval)->loss);
     ckpt.counters["best_eval_step"] = (*ctx.best_eval)->step;
+    ckpt.counters["best_eval_evals_since"] = (*ctx.best_eval)->evals_since;
   }
   if (ctx.loss_scaler) {
     // Hexadecimal: the scale comes back bit for bit. The mode and configured start let a resumed

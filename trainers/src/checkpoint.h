@@ -54,10 +54,11 @@ int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrSchedul
 
 /// The lowest evaluation loss so far and the step it came after (--eval-every). Checkpoints keep
 /// it, so a resumed run with --save-model-at best replaces the saved model only with a better
-/// one, as the uninterrupted run would.
+/// one, and --early-stop-patience stops it where it would have stopped the uninterrupted run.
 struct BestEval {
   double loss = 0;
   int64_t step = 0;
+  int64_t evals_since = 0;  ///< evaluations after it that did not beat it (--early-stop-patience)
 };
 
 /// The best evaluation a checkpoint saved; nullopt when it has none (a run without evaluations).

@@ -229,6 +229,10 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   read_dataset("dataset", c.dataset, c.dataset_path);
   c.eval_every = r.get<int64_t>("eval-every");
   c.eval_batches = r.get<int64_t>("eval-batches");
+  c.early_stop_patience = r.get<int64_t>("early-stop-patience");
+  if (c.early_stop_patience > 0 && c.eval_every == 0)
+    throw Error(r.label("early-stop-patience") +
+                ": counts evaluations, and there are none; give --eval-every N");
   if (c.eval_every == 0)
     for (const char* option : {"eval-batches", "eval-dataset"})
       if (r.has(option) && !r.setting(option).where.empty()) c.eval_set_unused = r.label(option);

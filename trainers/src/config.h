@@ -62,6 +62,7 @@ struct TrainConfig {
   int64_t eval_every = 0;    ///< 0: no evaluation
   int64_t eval_batches = 4;
   std::string eval_dataset, eval_dataset_path;  ///< as dataset and dataset_path
+  int64_t early_stop_patience = 0;              ///< 0: never stop early
   double eval_holdout = 0;  ///< text data: the file's last fraction, for evaluation only (0: none)
   std::string eval_set_unused;  ///< an --eval-* option given without --eval-every (its label)
 

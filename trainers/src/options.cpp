@@ -243,6 +243,11 @@ std::vector<OptionSpec> build_specs() {
                                 "F"));
   above(holdout, 0);
   at_most(holdout, 0.5);
+  at_least(add(opt("early-stop-patience", Kind::Int, int64_t{0},
+                   "with --eval-every: stop, saving a checkpoint, after N evaluations in a row "
+                   "that do not beat the best one (0: never)",
+                   "N")),
+           0);
 
   section = "Output";
   add(opt("output-dir", Kind::Text, std::string("output"),

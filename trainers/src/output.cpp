@@ -95,6 +95,7 @@ std::string summary_json(const RunSummary& s) {
   if (s.best_eval_loss)
     o << ",\"best_eval_loss\":" << json_number(*s.best_eval_loss)
       << ",\"best_eval_step\":" << s.best_eval_step;
+  if (s.stopped_early_at > 0) o << ",\"stopped_early_at\":" << s.stopped_early_at;
   o << "}\n";
   return o.str();
 }
@@ -119,6 +120,10 @@ std::string summary_text(const RunSummary& s) {
   if (s.overflow_steps > 0)
     o << "; " << s.overflow_steps << " step" << (s.overflow_steps == 1 ? "" : "s")
       << " skipped on gradient overflow (loss scale now " << short_number(s.loss_scale) << ")";
+  if (s.stopped_early_at > 0)
+    o << "; stopped early after step " << s.stopped_early_at << ": " << s.early_stop_patience
+      << " evaluation" << (s.early_stop_patience == 1 ? "" : "s")
+      << " in a row without a better loss";
   o << "\n";
   if (!s.memory_breakdown.empty()) o << "  memory: " << s.memory_breakdown << "\n";
   return o.str();

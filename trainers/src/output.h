@@ -43,6 +43,8 @@ struct RunSummary {
   std::optional<double> eval_loss;       ///< --eval-every: the last held-out loss
   std::optional<double> best_eval_loss;  ///< --eval-every: the lowest held-out loss so far
   int64_t best_eval_step = 0;            ///< the step best_eval_loss came after
+  int64_t stopped_early_at = 0;  ///< --early-stop-patience: the step the run stopped after (0: not)
+  int64_t early_stop_patience = 0;
 };
 
 /// The columns of a run's metrics files besides the fixed ones.

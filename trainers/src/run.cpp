@@ -524,6 +524,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       skipped_in_a_row = std::max<int64_t>(0, it->second);
   // The best evaluation so far, carried across a resume like the skips.
   std::optional<BestEval> best_eval = resumed ? restore_best_eval(*resumed) : std::nullopt;
+  if (best_eval && c.early_stop_patience > 0 && best_eval->evals_since >= c.early_stop_patience)
+    throw Error(
+        "--resume: the checkpoint's run stopped early: " + std::to_string(best_eval->evals_since) +
+        " evaluations in a row did not beat the best one (after step " +
+        std::to_string(best_eval->step) + "); to train on, raise --early-stop-patience above " +
+        std::to_string(best_eval->evals_since) + " or set it to 0");
 
   RunSummary summary;
   summary.name = c.name;
@@ -726,8 +732,13 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         if (std::isfinite(*m.eval_loss) && (!best_eval || *m.eval_loss < best_eval->loss)) {
           best_eval = BestEval{*m.eval_loss, step};
           if (c.save_best_eval && dist.leader()) write_model(*model, *c.save_model);
+        } else if (best_eval) {
+          ++best_eval->evals_since;
         }
       }
+      // --early-stop-patience: this step ends the run, saved and summed up as the last one would.
+      const bool early = !final && c.early_stop_patience > 0 && best_eval &&
+                         best_eval->evals_since >= c.early_stop_patience;
       if (first) summary.first_loss = m.loss, first = false;
       summary.last_loss = m.loss;
       summary.steps = step - first_step;
@@ -739,8 +750,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       if (!dist.comm) stop_requested = stop_requested || interrupt_signal() != 0;
       const bool stopping = stop_requested && !final;  // saved like the final step
       // Metrics first: after a kill they cover at least the newest checkpoint's steps.
-      if (checkpoint_due(c, step, final || stopping) && dist.leader()) files.snapshot();
-      save_checkpoint_if_due(ckpt_ctx, step, final || stopping);
+      if (checkpoint_due(c, step, final || stopping || early) && dist.leader()) files.snapshot();
+      save_checkpoint_if_due(ckpt_ctx, step, final || stopping || early);
+      if (early) {
+        summary.stopped_early_at = step, summary.early_stop_patience = c.early_stop_patience;
+        break;
+      }
       if (stopping) {
         progress.finish();
         const int sig = interrupt_signal();
