@@ -82,6 +82,9 @@ inline std::vector<std::pair<std::string, Args>> per_param_configs() {
            {{"lr", "0.01"}, {"relative_step", "false"}, {"beta1", "0.9"}, {"weight_decay", "0.1"}}},
           {"adam.so", {{"lr", "0.01"}, {"weight_decay", "0.1"}, {"amsgrad", "true"}}},
           {"adamw.so", {{"lr", "0.01"}}},
+          // Blocks of 16, and 8-bit moments from 16 elements on: the tests' 6x8 tensors take the
+          // quantized path, their 8-element ones the float32 one.
+          {"adamw8bit.so", {{"lr", "0.01"}, {"block_size", "16"}, {"min_8bit_size", "16"}}},
           {"lion.so", {{"lr", "0.001"}, {"weight_decay", "0.1"}}},
           {"came.so", {{"lr", "0.01"}, {"weight_decay", "0.1"}}}};
 }
