@@ -9,10 +9,13 @@
 // AdamW's (the SDK's adam_step_), in float32, from the dequantized moments; only their storage is
 // 8-bit. Tensors smaller than min_8bit_size keep float32 moments: biases and norms weigh nothing
 // and are the most sensitive to rounding.
+#include <ATen/Parallel.h>
 #include <fusebox/sdk.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -43,6 +46,96 @@ struct Codebook {
   int64_t zero = 0;  // the index of 0 in values
 };
 
+// The code of `x` (already divided by its block's scale): the index of the nearest map value,
+// the number of midpoints below x, as at::bucketize over the midpoints finds it. A binary search
+// per element mispredicts most of its branches, so the CPU loop starts from a table: floats
+// ordered by their bits (sign flipped, negatives reversed) are cut into 2^17 buckets of relative
+// width 2^-8, less than the gap between two midpoints, and the table holds the code of each
+// bucket's smallest float; at most one midpoint more lies below x.
+class Encoder {
+ public:
+  explicit Encoder(const std::vector<float>& midpoints) : mid_(midpoints), table_(1 << 17) {
+    for (uint32_t b = 0; b < table_.size(); ++b)
+      table_[b] = static_cast<uint8_t>(
+          std::lower_bound(mid_.begin(), mid_.end(), float_of_key(b << 15)) - mid_.begin());
+  }
+  uint8_t operator()(float x) const {
+    uint32_t c = table_[key_of(x) >> 15];
+    while (c < mid_.size() && mid_[c] < x) ++c;
+    return static_cast<uint8_t>(c);
+  }
+
+ private:
+  // A key that orders floats as their values: the sign bit flipped, negative floats' bits
+  // inverted (larger magnitude, smaller key).
+  static uint32_t key_of(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+  }
+  static float float_of_key(uint32_t key) {
+    const uint32_t bits = key & 0x80000000u ? key & 0x7fffffffu : ~key;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+  }
+  std::vector<float> mid_;
+  std::vector<uint8_t> table_;
+};
+
+std::vector<float> midpoints_of(const std::vector<float>& values) {
+  std::vector<float> mid;
+  for (size_t i = 0; i + 1 < values.size(); ++i) mid.push_back((values[i] + values[i + 1]) / 2);
+  return mid;
+}
+
+// The CPU path for float32 parameters: one pass over each block that decodes both moments,
+// applies AdamW's update (adam_step_'s arithmetic, element by element) and encodes them again,
+// where the ATen path makes a dozen passes over the whole tensor. `first`: no moments yet (zeros).
+struct CpuStep {
+  const float *signed_values, *unsigned_values;
+  const Encoder &encode_signed, &encode_unsigned;
+  int64_t unsigned_zero;
+  double b1, b2, eps, step_size, bc2_sqrt, decay;  // decay: 1 - lr·wd
+
+  void operator()(float* p, const float* g, uint8_t* m_codes, float* m_scale, uint8_t* v_codes,
+                  float* v_scale, int64_t n, int64_t block, bool first) const {
+    const int64_t blocks = (n + block - 1) / block;
+    at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / block), [&](int64_t lo, int64_t hi) {
+      std::vector<float> m(block), v(block);
+      for (int64_t b = lo; b < hi; ++b) {
+        const int64_t start = b * block, len = std::min(block, n - start);
+        const float sm = first ? 0.0f : m_scale[b], sv = first ? 0.0f : v_scale[b];
+        float m_max = 0.0f, v_max = 0.0f;
+        for (int64_t i = 0; i < len; ++i) {
+          const int64_t k = start + i;
+          float mi = first ? 0.0f : signed_values[m_codes[k]] * sm;
+          float vi = first ? 0.0f : unsigned_values[v_codes[k]] * sv;
+          const float gi = g[k];
+          mi = mi * static_cast<float>(b1) + gi * static_cast<float>(1.0 - b1);
+          vi = vi * static_cast<float>(b2) + static_cast<float>(1.0 - b2) * gi * gi;
+          const float denom =
+              std::sqrt(vi) / static_cast<float>(bc2_sqrt) + static_cast<float>(eps);
+          float pi = decay != 1.0 ? p[k] * static_cast<float>(decay) : p[k];
+          p[k] = pi + static_cast<float>(-step_size) * mi / denom;
+          m[i] = mi, v[i] = vi;
+          m_max = std::max(m_max, std::abs(mi)), v_max = std::max(v_max, vi);
+        }
+        const float m_div = m_max > 0 ? m_max : 1.0f, v_div = v_max > 0 ? v_max : 1.0f;
+        for (int64_t i = 0; i < block; ++i) {  // the padding of the last block encodes 0
+          const int64_t k = start + i;
+          const float mi = i < len ? m[i] / m_div : 0.0f, vi = i < len ? v[i] / v_div : 0.0f;
+          m_codes[k] = encode_signed(mi);
+          uint8_t c = encode_unsigned(vi);
+          if (vi > 0 && c == unsigned_zero) ++c;
+          v_codes[k] = c;
+        }
+        m_scale[b] = m_max, v_scale[b] = v_max;
+      }
+    });
+  }
+};
+
 class AdamW8bit final : public fusebox::Optimizer {
  public:
   static void declare_schema(fusebox::Schema& s) {
@@ -69,12 +162,19 @@ class AdamW8bit final : public fusebox::Optimizer {
         weight_decay_(hp.real("weight_decay")),
         block_(hp.integer("block_size")),
         min_8bit_(hp.integer("min_8bit_size")),
-        stochastic_(hp.flag("stochastic_rounding")) {}
+        stochastic_(hp.flag("stochastic_rounding")) {
+    const char* aten = std::getenv("FUSEBOX_ADAMW8BIT_ATEN");
+    aten_only_ = aten && std::string(aten) == "1";
+  }
 
  protected:
   void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t group) override {
     at::Tensor p = fusebox::fp32_view(param);
     at::Tensor g = param.grad().to(p.scalar_type());
+    if (cpu_step(p, g, state, group)) {
+      fusebox::write_back(param, p, stochastic_, rounding_seed(param));
+      return;
+    }
     // The moments in float32, from whichever form the state holds (a checkpoint may come from
     // another block_size or min_8bit_size: it is read in its own layout and stored in this one).
     at::Tensor m = moment(state, "exp_avg", p, true), v = moment(state, "exp_avg_sq", p, false);
@@ -89,6 +189,57 @@ class AdamW8bit final : public fusebox::Optimizer {
 
  private:
   bool quantized(const at::Tensor& p) const { return p.numel() >= min_8bit_; }
+
+  // The CPU path (CpuStep) when it applies: a float32 CPU parameter whose moments are 8-bit in
+  // this block size, or not there yet. Everything else (float64, CUDA, a layout to convert) takes
+  // the ATen path below. FUSEBOX_ADAMW8BIT_ATEN=1 forces that path (the tests compare the two).
+  bool cpu_step(const at::Tensor& p, const at::Tensor& g, fusebox::ParamState& state,
+                size_t group) {
+    if (aten_only_ || !p.device().is_cpu() || p.scalar_type() != at::kFloat || !p.is_contiguous() ||
+        !quantized(p))
+      return false;
+    const int64_t n = p.numel(), blocks = (n + block_ - 1) / block_;
+    const bool first = state.tensors.empty();
+    if (!first) {
+      for (const char* key : {"exp_avg", "exp_avg_sq"}) {
+        const auto codes = state.tensors.find(std::string(key) + "_codes");
+        const auto scale = state.tensors.find(std::string(key) + "_scale");
+        if (codes == state.tensors.end() || scale == state.tensors.end() ||
+            codes->second.sizes() != at::IntArrayRef{blocks, block_} ||
+            codes->second.scalar_type() != at::kByte || !codes->second.is_contiguous() ||
+            scale->second.numel() != blocks || scale->second.scalar_type() != at::kFloat ||
+            !scale->second.is_contiguous() || !codes->second.device().is_cpu() ||
+            !scale->second.device().is_cpu())
+          return false;
+      }
+    } else {
+      const auto bytes = at::TensorOptions().dtype(at::kByte);
+      state["exp_avg_codes"] = at::empty({blocks, block_}, bytes);
+      state["exp_avg_sq_codes"] = at::empty({blocks, block_}, bytes);
+      state["exp_avg_scale"] = at::empty({blocks}, at::kFloat);
+      state["exp_avg_sq_scale"] = at::empty({blocks}, at::kFloat);
+    }
+    ++state.step;
+    const double lr = this->lr(group);
+    const Codebook& s = codebook(true, p.device());
+    const Codebook& u = codebook(false, p.device());
+    const CpuStep step{s.values.data_ptr<float>(),
+                       u.values.data_ptr<float>(),
+                       encode_signed_,
+                       encode_unsigned_,
+                       u.zero,
+                       beta1_,
+                       beta2_,
+                       eps_,
+                       lr / fusebox::bias_correction(beta1_, state.step),
+                       std::sqrt(fusebox::bias_correction(beta2_, state.step)),
+                       1.0 - lr * weight_decay_};
+    const at::Tensor gc = g.contiguous();
+    step(p.data_ptr<float>(), gc.data_ptr<float>(), state["exp_avg_codes"].data_ptr<uint8_t>(),
+         state["exp_avg_scale"].data_ptr<float>(), state["exp_avg_sq_codes"].data_ptr<uint8_t>(),
+         state["exp_avg_sq_scale"].data_ptr<float>(), n, block_, first);
+    return true;
+  }
 
   // The map of signed (first moment) or unsigned (second moment) values on `device`; made once
   // per device (the fused backward pass may call from autograd's thread of each device).
@@ -155,7 +306,9 @@ class AdamW8bit final : public fusebox::Optimizer {
 
   double beta1_, beta2_, eps_, weight_decay_;
   int64_t block_, min_8bit_;
-  bool stochastic_;
+  bool stochastic_, aten_only_ = false;
+  const Encoder encode_signed_{midpoints_of(dynamic_map(true))};
+  const Encoder encode_unsigned_{midpoints_of(dynamic_map(false))};
   std::mutex mutex_;
   std::map<std::pair<bool, std::string>, Codebook> books_;
 };

@@ -3,6 +3,8 @@
 // check what is its own: the state's layout and size, that it is AdamW exactly when nothing is
 // quantized and close to it when everything is, that a tiny second moment never divides by eps
 // alone, and that state saved with another block size goes on.
+#include <cstdlib>
+
 #include "plugin_test_support.h"
 
 namespace {
@@ -70,6 +72,51 @@ TEST(AdamW8bit, QuantizedMomentsTakeAQuarterAndTrackAdamW) {
   EXPECT_GT(moved, 1.0);
   EXPECT_LT(apart, 0.05 * moved) << "moved " << moved << ", apart " << apart;
   EXPECT_GT(apart, 0.0) << "the quantization should be visible";
+}
+
+// On the CPU a float32 parameter takes the plugin's one-pass loop; FUSEBOX_ADAMW8BIT_ATEN=1 sends
+// it through the ATen operations that every other device and dtype takes. The two compute the
+// same formulas, but ATen's vectorised kernels fuse some multiply-adds (not in a tensor's scalar
+// tail), so they agree to float rounding, not bit for bit; a moment that lands within rounding of
+// a boundary between two codes may take either. One step from the same state (after 5 steps,
+// blocks of 100 with a padded last one, weight decay): parameters within 1e-6 (a ten-thousandth
+// of lr), nearly every code the same, the block scales to float rounding.
+TEST(AdamW8bit, TheCpuLoopAgreesWithTheAtenPath) {
+  const fbt::Args args = {{"lr", "0.01"}, {"weight_decay", "0.1"}, {"block_size", "100"}};
+  std::shared_ptr<fusebox::Optimizer> trained;
+  const auto params = train("adamw8bit.so", args, 5, &trained);
+  const fusebox::StateDict state = trained->state_dict();
+  const std::vector<at::Tensor> grads = {at::randn({96, 48}), at::randn({48})};
+  auto one_step = [&](bool aten) {
+    if (aten) {
+      EXPECT_EQ(setenv("FUSEBOX_ADAMW8BIT_ATEN", "1", 1), 0);
+    }
+    std::vector<at::Tensor> p = fbt::leaf_copies(params);
+    auto opt = fbt::make("adamw8bit.so", p, args);
+    fusebox::StateDict copy;
+    for (const auto& [key, t] : state) copy[key] = t.clone();
+    opt->load_state_dict(copy);
+    fbt::set_grads(p, grads);
+    opt->step();
+    unsetenv("FUSEBOX_ADAMW8BIT_ATEN");
+    return std::make_pair(p, opt->state_dict());
+  };
+  const auto [pa, sa] = one_step(false);
+  const auto [pb, sb] = one_step(true);
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_LT((pa[i] - pb[i]).abs().max().item<double>(), 1e-6) << i;
+    EXPECT_FALSE(at::equal(pa[i], params[i])) << i;
+  }
+  EXPECT_EQ(sa.at("g0.p0/exp_avg_codes").sizes(), (std::vector<int64_t>{47, 100}));
+  ASSERT_EQ(sa.size(), sb.size());
+  for (const auto& [key, t] : sa) {
+    ASSERT_TRUE(sb.count(key)) << key;
+    ASSERT_EQ(t.scalar_type(), sb.at(key).scalar_type()) << key;
+    if (t.scalar_type() == at::kByte)
+      EXPECT_GT(t.eq(sb.at(key)).to(at::kDouble).mean().item<double>(), 0.999) << key;
+    else
+      EXPECT_TRUE(at::allclose(t, sb.at(key), 1e-5, 1e-12)) << key;
+  }
 }
 
 // One block holds gradients from 1e-12 to 1e3: the tiny ones' second moments are far below the
