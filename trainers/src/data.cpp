@@ -101,17 +101,21 @@ class TextData : public DataSource {
     const int64_t held = static_cast<int64_t>(std::floor(static_cast<double>(size) * part.holdout));
     const bool tail = part.held_out && part.holdout > 0;  // else the file, or its first part
     const int64_t begin = tail ? size - held : 0, end = tail ? size : size - held;
-    // One window of bytes is enough: every sample is then that window.
-    if (end - begin < window) {
-      const std::string need =
-          "; --seq-len " + std::to_string(window - 1) + " needs at least " + std::to_string(window);
-      if (part.holdout == 0)
-        throw Error("text file " + path + " has " + std::to_string(size) + " bytes" + need);
+    // One window of bytes is enough: every sample is then that window. With a held-out part
+    // both parts are checked, whichever this stream reads, so a run without --eval-every (whose
+    // evaluation stream is never made) learns now that a resumed one could not evaluate.
+    const std::string need =
+        "; --seq-len " + std::to_string(window - 1) + " needs at least " + std::to_string(window);
+    if (part.holdout == 0 && size < window)
+      throw Error("text file " + path + " has " + std::to_string(size) + " bytes" + need);
+    for (const bool evaluation : {false, true}) {
+      const int64_t length = evaluation ? held : size - held;
+      if (part.holdout == 0 || length >= window) continue;
       throw Error("text file " + path + " (" + std::to_string(size) + " bytes): --eval-holdout " +
-                  fraction_text(part.holdout) + " leaves " + std::to_string(end - begin) +
-                  " bytes for " + (part.held_out ? "evaluation" : "training") + need +
-                  (part.held_out ? " (hold out more, or give a longer file)"
-                                 : " (hold out less, or give a longer file)"));
+                  fraction_text(part.holdout) + " leaves " + std::to_string(length) +
+                  " bytes for " + (evaluation ? "evaluation" : "training") + need +
+                  (evaluation ? " (hold out more, or give a longer file)"
+                              : " (hold out less, or give a longer file)"));
     }
     // Kept as bytes (one per token, not eight): the file stays in memory for the whole run and
     // would otherwise weigh on every step's peak.

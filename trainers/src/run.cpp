@@ -410,12 +410,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       model = make_builtin_model(mo);
     }
     data = make_data(c);
-    // A held-out part too short for one window is an error now, without --eval-every too, not
-    // first when a resumed run evaluates.
-    if (c.eval_every > 0)
-      eval_data = std::make_unique<EvalData>(c);
-    else if (c.eval_holdout > 0)
-      const EvalData check(c);
+    if (c.eval_every > 0) eval_data = std::make_unique<EvalData>(c);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
