@@ -23,45 +23,44 @@
 
 namespace {
 
-// The 256 values of the dynamic map, ascending: for each decimal exponent e = -6..0, equal steps
-// of the fraction [0.1, 1] (1, 2, 4, ... 64 of them signed, twice as many unsigned), then 0 and 1.
-std::vector<float> dynamic_map(bool is_signed) {
-  std::vector<float> values{0.0f, 1.0f};
-  for (int e = 0; e < 7; ++e) {
-    const int steps = is_signed ? 1 << e : 2 << e;
-    for (int k = 0; k < steps; ++k) {
-      const double fraction = 0.1 + 0.9 * (k + 0.5) / steps;
-      const float v = static_cast<float>(fraction * std::pow(10.0, e - 6));
-      values.push_back(v);
-      if (is_signed) values.push_back(-v);
-    }
-  }
-  std::sort(values.begin(), values.end());
-  return values;
-}
-
-// One moment in 8 bits: the map (on the moment's device) and the midpoints between its values.
-struct Codebook {
-  at::Tensor values, midpoints;
-  int64_t zero = 0;  // the index of 0 in values
-};
-
-// The code of `x` (already divided by its block's scale): the index of the nearest map value,
-// the number of midpoints below x, as at::bucketize over the midpoints finds it. A binary search
-// per element mispredicts most of its branches, so the CPU loop starts from a table: floats
-// ordered by their bits (sign flipped, negatives reversed) are cut into 2^17 buckets of relative
-// width 2^-8, less than the gap between two midpoints, and the table holds the code of each
-// bucket's smallest float; at most one midpoint more lies below x.
-class Encoder {
+// The dynamic map: 256 values, ascending, in [-1, 1] (signed, first moment) or [0, 1] (unsigned,
+// second moment): for each decimal exponent e = -6..0, equal steps of the fraction [0.1, 1] (1,
+// 2, 4, ... 64 of them signed, twice as many unsigned), then 0 and 1. A code is the index of the
+// nearest value: the number of the 255 midpoints below x, as at::bucketize over the midpoints
+// finds it on any device. A binary search per element mispredicts most of its branches, so the
+// CPU loop starts from a table: floats ordered by their bits (sign flipped, negatives reversed)
+// are cut into 2^17 buckets of relative width 2^-8, less than the gap between two midpoints, and
+// the table holds the code of each bucket's smallest float; at most one midpoint more lies below
+// x. Both maps are made once per process (dynamic_map()).
+class DynamicMap {
  public:
-  explicit Encoder(const std::vector<float>& midpoints) : mid_(midpoints), table_(1 << 17) {
+  explicit DynamicMap(bool is_signed) : values_{0.0f, 1.0f}, table_(1 << 17) {
+    for (int e = 0; e < 7; ++e) {
+      const int steps = is_signed ? 1 << e : 2 << e;
+      for (int k = 0; k < steps; ++k) {
+        const double fraction = 0.1 + 0.9 * (k + 0.5) / steps;
+        const float v = static_cast<float>(fraction * std::pow(10.0, e - 6));
+        values_.push_back(v);
+        if (is_signed) values_.push_back(-v);
+      }
+    }
+    std::sort(values_.begin(), values_.end());
+    for (size_t i = 0; i + 1 < values_.size(); ++i)
+      midpoints_.push_back((values_[i] + values_[i + 1]) / 2);
+    zero_ = std::find(values_.begin(), values_.end(), 0.0f) - values_.begin();
     for (uint32_t b = 0; b < table_.size(); ++b)
       table_[b] = static_cast<uint8_t>(
-          std::lower_bound(mid_.begin(), mid_.end(), float_of_key(b << 15)) - mid_.begin());
+          std::lower_bound(midpoints_.begin(), midpoints_.end(), float_of_key(b << 15)) -
+          midpoints_.begin());
   }
-  uint8_t operator()(float x) const {
+  const std::vector<float>& values() const { return values_; }
+  const std::vector<float>& midpoints() const { return midpoints_; }
+  /// The index of 0 among the values.
+  int64_t zero() const { return zero_; }
+  /// The code of `x` (already divided by its block's scale).
+  uint8_t encode(float x) const {
     uint32_t c = table_[key_of(x) >> 15];
-    while (c < mid_.size() && mid_[c] < x) ++c;
+    while (c < midpoints_.size() && midpoints_[c] < x) ++c;
     return static_cast<uint8_t>(c);
   }
 
@@ -79,23 +78,26 @@ class Encoder {
     std::memcpy(&x, &bits, sizeof x);
     return x;
   }
-  std::vector<float> mid_;
+  std::vector<float> values_, midpoints_;
+  int64_t zero_ = 0;
   std::vector<uint8_t> table_;
 };
 
-std::vector<float> midpoints_of(const std::vector<float>& values) {
-  std::vector<float> mid;
-  for (size_t i = 0; i + 1 < values.size(); ++i) mid.push_back((values[i] + values[i + 1]) / 2);
-  return mid;
+const DynamicMap& dynamic_map(bool is_signed) {
+  static const DynamicMap signed_map(true), unsigned_map(false);
+  return is_signed ? signed_map : unsigned_map;
 }
+
+// A map's values and midpoints on one device, for the ATen path.
+struct Codebook {
+  at::Tensor values, midpoints;
+};
 
 // The CPU path for float32 parameters: one pass over each block that decodes both moments,
 // applies AdamW's update (adam_step_'s arithmetic, element by element) and encodes them again,
 // where the ATen path makes a dozen passes over the whole tensor. `first`: no moments yet (zeros).
 struct CpuStep {
-  const float *signed_values, *unsigned_values;
-  const Encoder &encode_signed, &encode_unsigned;
-  int64_t unsigned_zero;
+  const DynamicMap &signed_map, &unsigned_map;
   double b1, b2, eps, step_size, bc2_sqrt, decay;  // decay: 1 - lr·wd
 
   void operator()(float* p, const float* g, uint8_t* m_codes, float* m_scale, uint8_t* v_codes,
@@ -109,8 +111,8 @@ struct CpuStep {
         float m_max = 0.0f, v_max = 0.0f;
         for (int64_t i = 0; i < len; ++i) {
           const int64_t k = start + i;
-          float mi = first ? 0.0f : signed_values[m_codes[k]] * sm;
-          float vi = first ? 0.0f : unsigned_values[v_codes[k]] * sv;
+          float mi = first ? 0.0f : signed_map.values()[m_codes[k]] * sm;
+          float vi = first ? 0.0f : unsigned_map.values()[v_codes[k]] * sv;
           const float gi = g[k];
           mi = mi * static_cast<float>(b1) + gi * static_cast<float>(1.0 - b1);
           vi = vi * static_cast<float>(b2) + static_cast<float>(1.0 - b2) * gi * gi;
@@ -125,9 +127,9 @@ struct CpuStep {
         for (int64_t i = 0; i < block; ++i) {  // the padding of the last block encodes 0
           const int64_t k = start + i;
           const float mi = i < len ? m[i] / m_div : 0.0f, vi = i < len ? v[i] / v_div : 0.0f;
-          m_codes[k] = encode_signed(mi);
-          uint8_t c = encode_unsigned(vi);
-          if (vi > 0 && c == unsigned_zero) ++c;
+          m_codes[k] = signed_map.encode(mi);
+          uint8_t c = unsigned_map.encode(vi);
+          if (vi > 0 && c == unsigned_map.zero()) ++c;
           v_codes[k] = c;
         }
         m_scale[b] = m_max, v_scale[b] = v_max;
@@ -221,13 +223,8 @@ class AdamW8bit final : public fusebox::Optimizer {
     }
     ++state.step;
     const double lr = this->lr(group);
-    const Codebook& s = codebook(true, p.device());
-    const Codebook& u = codebook(false, p.device());
-    const CpuStep step{s.values.data_ptr<float>(),
-                       u.values.data_ptr<float>(),
-                       encode_signed_,
-                       encode_unsigned_,
-                       u.zero,
+    const CpuStep step{dynamic_map(true),
+                       dynamic_map(false),
                        beta1_,
                        beta2_,
                        eps_,
@@ -241,17 +238,16 @@ class AdamW8bit final : public fusebox::Optimizer {
     return true;
   }
 
-  // The map of signed (first moment) or unsigned (second moment) values on `device`; made once
-  // per device (the fused backward pass may call from autograd's thread of each device).
+  // The signed (first moment) or unsigned (second moment) map on `device`; made once per
+  // device (the fused backward pass may call from autograd's thread of each device).
   const Codebook& codebook(bool is_signed, const at::Device& device) {
     const std::lock_guard<std::mutex> lock(mutex_);
     Codebook& book = books_[std::make_pair(is_signed, device.str())];
     if (!book.values.defined()) {
-      const std::vector<float> map = dynamic_map(is_signed);
-      const at::Tensor values = at::tensor(map, at::TensorOptions().dtype(at::kFloat));
-      book.values = values.to(device);
-      book.midpoints = ((values.slice(0, 1) + values.slice(0, 0, -1)) / 2).to(device);
-      book.zero = std::find(map.begin(), map.end(), 0.0f) - map.begin();
+      const DynamicMap& map = dynamic_map(is_signed);
+      const auto floats = at::TensorOptions().dtype(at::kFloat);
+      book.values = at::tensor(map.values(), floats).to(device);
+      book.midpoints = at::tensor(map.midpoints(), floats).to(device);
     }
     return book;
   }
@@ -299,7 +295,8 @@ class AdamW8bit final : public fusebox::Optimizer {
     const at::Tensor normed = rows / at::where(scale > 0, scale, at::ones_like(scale));
     const Codebook& book = codebook(is_signed, m.device());
     at::Tensor index = at::bucketize(normed.to(at::kFloat), book.midpoints);
-    if (!is_signed) index = at::where((normed > 0) & (index == book.zero), index + 1, index);
+    if (!is_signed)
+      index = at::where((normed > 0) & (index == dynamic_map(false).zero()), index + 1, index);
     state[key + "_codes"] = index.to(at::kByte);
     state[key + "_scale"] = scale.squeeze(1).contiguous();
   }
@@ -307,8 +304,6 @@ class AdamW8bit final : public fusebox::Optimizer {
   double beta1_, beta2_, eps_, weight_decay_;
   int64_t block_, min_8bit_;
   bool stochastic_, aten_only_ = false;
-  const Encoder encode_signed_{midpoints_of(dynamic_map(true))};
-  const Encoder encode_unsigned_{midpoints_of(dynamic_map(false))};
   std::mutex mutex_;
   std::map<std::pair<bool, std::string>, Codebook> books_;
 };
