@@ -17,18 +17,17 @@ struct Item {
   int64_t bytes;
 };
 
-// Contiguous cut points of `items` into exactly `n` pieces (n <= items), never crossing a
-// parameter-group boundary, with each piece at most `capacity` bytes where possible. Returns the
-// start index of every piece, or empty when `capacity` is too small.
+// Contiguous cut points of `items` into exactly `n` pieces (n <= items), with each piece at most
+// `capacity` bytes where possible. Returns the start index of every piece, or empty when
+// `capacity` is too small.
 std::vector<size_t> cut(const std::vector<Item>& items, size_t n, int64_t capacity) {
   std::vector<size_t> starts{0};
   int64_t acc = 0;
   for (size_t i = 0; i < items.size(); ++i) {
-    const bool boundary = i > 0 && items[i].group != items[i - 1].group;
     const size_t pieces_left = n - starts.size();  // pieces still to open after this one
     const size_t items_left = items.size() - i;    // including item i
     const bool must_cut = i > 0 && items_left == pieces_left;  // one item per remaining piece
-    if (i > 0 && (boundary || must_cut || acc + items[i].bytes > capacity)) {
+    if (i > 0 && (must_cut || acc + items[i].bytes > capacity)) {
       if (starts.size() == n) return {};  // would need more pieces than allowed
       starts.push_back(i);
       acc = 0;
@@ -47,29 +46,19 @@ std::vector<std::vector<ParamGroup>> split_param_groups(const std::vector<ParamG
     throw Error("optimizer groups: the number of groups must be at least 1, got " +
                 std::to_string(n));
   std::vector<Item> items;
-  size_t boundaries = 1;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    if (g > 0 && !groups[g].params.empty() && !items.empty()) ++boundaries;
+  for (size_t g = 0; g < groups.size(); ++g)
     for (size_t i = 0; i < groups[g].params.size(); ++i)
       items.push_back({g, i, groups[g].params[i].numel() * groups[g].params[i].element_size()});
-  }
   if (items.empty()) throw Error("no trainable parameters to split into optimizer groups");
-  // At least one piece per parameter group (lrs never mix), at most one per tensor.
-  size_t pieces = std::clamp<size_t>(static_cast<size_t>(n), boundaries, items.size());
+  // At most one piece per tensor. A piece may span parameter groups: it becomes one optimizer
+  // holding a part of each, with each part's own lr and weight decay.
+  const size_t pieces = std::min<size_t>(static_cast<size_t>(n), items.size());
 
   std::vector<size_t> starts;
   if (policy == SplitPolicy::Count) {
-    // The seed's rule: ceil(count / n) tensors per piece, restarting at every lr change.
-    const size_t per = (items.size() + static_cast<size_t>(n) - 1) / static_cast<size_t>(n);
-    size_t in_piece = 0;
-    starts.push_back(0);
-    for (size_t i = 1; i < items.size(); ++i) {
-      ++in_piece;
-      if (items[i].group != items[i - 1].group || in_piece == per) {
-        starts.push_back(i);
-        in_piece = 0;
-      }
-    }
+    // The seed's rule: ceil(count / n) tensors per piece.
+    const size_t per = (items.size() + pieces - 1) / pieces;
+    for (size_t i = 0; i < items.size(); i += per) starts.push_back(i);
   } else {
     // Smallest capacity for which a contiguous cut into `pieces` exists (binary search).
     int64_t lo = 0, hi = 0;
@@ -88,16 +77,20 @@ std::vector<std::vector<ParamGroup>> split_param_groups(const std::vector<ParamG
   std::vector<std::vector<ParamGroup>> out;
   for (size_t s = 0; s < starts.size(); ++s) {
     const size_t end = s + 1 < starts.size() ? starts[s + 1] : items.size();
-    ParamGroup piece;
-    piece.lr = groups[items[starts[s]].group].lr;
+    std::vector<ParamGroup> piece;
     for (size_t i = starts[s]; i < end; ++i) {
       const ParamGroup& src = groups[items[i].group];
-      piece.params.push_back(src.params[items[i].index]);
-      piece.names.push_back(src.names.empty() ? "g" + std::to_string(items[i].group) + ".p" +
-                                                    std::to_string(items[i].index)
-                                              : src.names[items[i].index]);
+      if (i == starts[s] || items[i].group != items[i - 1].group) {
+        piece.emplace_back();
+        piece.back().lr = src.lr;
+        piece.back().weight_decay = src.weight_decay;
+      }
+      piece.back().params.push_back(src.params[items[i].index]);
+      piece.back().names.push_back(src.names.empty() ? "g" + std::to_string(items[i].group) + ".p" +
+                                                           std::to_string(items[i].index)
+                                                     : src.names[items[i].index]);
     }
-    out.push_back({std::move(piece)});
+    out.push_back(std::move(piece));
   }
   return out;
 }

@@ -54,7 +54,6 @@ class Adafactor final : public fusebox::Optimizer {
         clip_(hp.real("clip_threshold")),
         decay_rate_(hp.real("decay_rate")),
         beta1_(hp.is_set("beta1") ? hp.real("beta1") : -1.0),
-        weight_decay_(hp.real("weight_decay")),
         scale_(hp.flag("scale_parameter")),
         relative_(hp.flag("relative_step")),
         warmup_(hp.flag("warmup_init")),
@@ -77,7 +76,7 @@ class Adafactor final : public fusebox::Optimizer {
     const int64_t next = state.step + 1;
     if (fusebox_plugins::cuda::adafactor_factored_step(
             param, state, eps1_, eps2_, clip_, beta2_at(next), relative_step_size(next, group),
-            beta1_, weight_decay_, scale_, stochastic_))
+            beta1_, weight_decay(group), scale_, stochastic_))
       return;
     at::Tensor p = fusebox::fp32_view(param);
     at::Tensor g = param.grad().to(p.scalar_type());
@@ -104,11 +103,11 @@ class Adafactor final : public fusebox::Optimizer {
     else
       u.mul_(rho);
     if (beta1_ >= 0) u = state["exp_avg"].mul_(beta1_).add_(u, 1.0 - beta1_);
-    if (weight_decay_ != 0) {
+    if (const double wd = weight_decay(group); wd != 0) {
       if (scale_)
-        p.mul_(alpha.mul(-weight_decay_).add_(1.0));
+        p.mul_(alpha.mul(-wd).add_(1.0));
       else
-        p.mul_(1.0 - weight_decay_ * rho);
+        p.mul_(1.0 - wd * rho);
     }
     p.sub_(u);
     fusebox::write_back(param, p, stochastic_, rounding_seed(param));
@@ -123,7 +122,7 @@ class Adafactor final : public fusebox::Optimizer {
     return std::min(warmup_ ? 1e-6 * td : 1e-2, 1.0 / std::sqrt(td));
   }
 
-  double eps1_, eps2_, clip_, decay_rate_, beta1_, weight_decay_;
+  double eps1_, eps2_, clip_, decay_rate_, beta1_;
   bool scale_, relative_, warmup_, stochastic_;
 };
 

@@ -33,13 +33,12 @@ class AdamFamily final : public fusebox::Optimizer {
         beta1_(hp.real_pair("betas").first),
         beta2_(hp.real_pair("betas").second),
         eps_(hp.real("eps")),
-        weight_decay_(hp.real("weight_decay")),
         amsgrad_(hp.flag("amsgrad")),
         stochastic_(hp.flag("stochastic_rounding")) {}
 
  protected:
   void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t group) override {
-    if (cuda::adam_step(param, state, this->lr(group), beta1_, beta2_, eps_, weight_decay_,
+    if (cuda::adam_step(param, state, this->lr(group), beta1_, beta2_, eps_, weight_decay(group),
                         Decoupled, amsgrad_, stochastic_))
       return;
     at::Tensor p = fusebox::fp32_view(param);
@@ -53,12 +52,12 @@ class AdamFamily final : public fusebox::Optimizer {
       state["max_exp_avg_sq"] = state["exp_avg_sq"].clone();
     }
     ++state.step;
-    const double lr = this->lr(group);
-    if (weight_decay_ != 0) {
+    const double lr = this->lr(group), wd = weight_decay(group);
+    if (wd != 0) {
       if (Decoupled)
-        p.mul_(1.0 - lr * weight_decay_);
+        p.mul_(1.0 - lr * wd);
       else
-        g = g.add(p, weight_decay_);
+        g = g.add(p, wd);
     }
     fusebox::adam_step_(p, g, state["exp_avg"], state["exp_avg_sq"],
                         amsgrad_ ? state["max_exp_avg_sq"] : at::Tensor(), state.step, lr, beta1_,
@@ -67,7 +66,7 @@ class AdamFamily final : public fusebox::Optimizer {
   }
 
  private:
-  double beta1_, beta2_, eps_, weight_decay_;
+  double beta1_, beta2_, eps_;
   bool amsgrad_, stochastic_;
 };
 

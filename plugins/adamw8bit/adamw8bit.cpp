@@ -161,7 +161,6 @@ class AdamW8bit final : public fusebox::Optimizer {
         beta1_(hp.real_pair("betas").first),
         beta2_(hp.real_pair("betas").second),
         eps_(hp.real("eps")),
-        weight_decay_(hp.real("weight_decay")),
         block_(hp.integer("block_size")),
         min_8bit_(hp.integer("min_8bit_size")),
         stochastic_(hp.flag("stochastic_rounding")) {
@@ -182,7 +181,7 @@ class AdamW8bit final : public fusebox::Optimizer {
     at::Tensor m = moment(state, "exp_avg", p, true), v = moment(state, "exp_avg_sq", p, false);
     ++state.step;
     const double lr = this->lr(group);
-    if (weight_decay_ != 0) p.mul_(1.0 - lr * weight_decay_);
+    if (const double wd = weight_decay(group); wd != 0) p.mul_(1.0 - lr * wd);
     fusebox::adam_step_(p, g, m, v, at::Tensor(), state.step, lr, beta1_, beta2_, eps_);
     store(state, "exp_avg", m, true);
     store(state, "exp_avg_sq", v, false);
@@ -230,7 +229,7 @@ class AdamW8bit final : public fusebox::Optimizer {
                        eps_,
                        lr / fusebox::bias_correction(beta1_, state.step),
                        std::sqrt(fusebox::bias_correction(beta2_, state.step)),
-                       1.0 - lr * weight_decay_};
+                       1.0 - lr * weight_decay(group)};
     const at::Tensor gc = g.contiguous();
     step(p.data_ptr<float>(), gc.data_ptr<float>(), state["exp_avg_codes"].data_ptr<uint8_t>(),
          state["exp_avg_scale"].data_ptr<float>(), state["exp_avg_sq_codes"].data_ptr<uint8_t>(),
@@ -301,7 +300,7 @@ class AdamW8bit final : public fusebox::Optimizer {
     state[key + "_scale"] = scale.squeeze(1).contiguous();
   }
 
-  double beta1_, beta2_, eps_, weight_decay_;
+  double beta1_, beta2_, eps_;
   int64_t block_, min_8bit_;
   bool stochastic_, aten_only_ = false;
   std::mutex mutex_;

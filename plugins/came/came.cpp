@@ -29,7 +29,6 @@ class Came final : public fusebox::Optimizer {
         beta1_(hp.real_pair("betas").first),
         beta2_(hp.real_pair("betas").second),
         beta3_(hp.real("beta3")),
-        weight_decay_(hp.real("weight_decay")),
         stochastic_(hp.flag("stochastic_rounding")) {}
 
  protected:
@@ -61,13 +60,13 @@ class Came final : public fusebox::Optimizer {
       u = m;
     }
     const double lr = this->lr(group);
-    if (weight_decay_ != 0) p.mul_(1.0 - weight_decay_ * lr);
+    if (const double wd = weight_decay(group); wd != 0) p.mul_(1.0 - wd * lr);
     p.sub_(u, lr);
     fusebox::write_back(param, p, stochastic_, rounding_seed(param));
   }
 
  private:
-  double eps1_, eps2_, clip_, beta1_, beta2_, beta3_, weight_decay_;
+  double eps1_, eps2_, clip_, beta1_, beta2_, beta3_;
   bool stochastic_;
 };
 

@@ -30,7 +30,6 @@ class DAdaptAdam final : public fusebox_plugins::AutoLrOptimizer {
         beta1_(hp.real_pair("betas").first),
         beta2_(hp.real_pair("betas").second),
         eps_(hp.real("eps")),
-        weight_decay_(hp.real("weight_decay")),
         growth_rate_(hp.real("growth_rate")),
         decouple_(hp.flag("decouple")),
         bias_correction_(hp.flag("use_bias_correction")),
@@ -56,7 +55,7 @@ class DAdaptAdam final : public fusebox_plugins::AutoLrOptimizer {
         fusebox::ParamState& st = state(gi, i);
         at::Tensor p = fusebox::fp32_view(param);
         at::Tensor g = param.grad().to(p.scalar_type());
-        if (weight_decay_ != 0 && !decouple_) g = g.add(p, weight_decay_);
+        if (weight_decay(gi) != 0 && !decouple_) g = g.add(p, weight_decay(gi));
         if (st.step == 0)
           for (const char* key : {"s", "exp_avg", "exp_avg_sq"}) st[key] = at::zeros_like(p);
         if (this->lr(gi) == 0) continue;
@@ -93,7 +92,7 @@ class DAdaptAdam final : public fusebox_plugins::AutoLrOptimizer {
         // A group at lr 0 is frozen; the reference still decays it by the shared dlr.
         if (this->lr(gi) == 0) continue;
         at::Tensor p = fusebox::fp32_view(param);
-        if (weight_decay_ != 0 && decouple_) p.mul_(1 - weight_decay_ * dlr);
+        if (weight_decay(gi) != 0 && decouple_) p.mul_(1 - weight_decay(gi) * dlr);
         p.addcdiv_(st["exp_avg"], st["exp_avg_sq"].sqrt().add_(eps_), -1.0);
         fusebox::write_back(param, p, stochastic_, rounding_seed(param));
       }
@@ -102,7 +101,7 @@ class DAdaptAdam final : public fusebox_plugins::AutoLrOptimizer {
   }
 
  private:
-  double beta1_, beta2_, eps_, weight_decay_, growth_rate_;
+  double beta1_, beta2_, eps_, growth_rate_;
   bool decouple_, bias_correction_, stochastic_;
 };
 

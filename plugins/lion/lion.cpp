@@ -19,7 +19,6 @@ class Lion final : public fusebox::Optimizer {
       : Optimizer(std::move(groups), hp),
         beta1_(hp.real_pair("betas").first),
         beta2_(hp.real_pair("betas").second),
-        weight_decay_(hp.real("weight_decay")),
         stochastic_(hp.flag("stochastic_rounding")) {}
 
  protected:
@@ -30,14 +29,14 @@ class Lion final : public fusebox::Optimizer {
     if (state.step == 0) m = at::zeros_like(p);
     ++state.step;
     const double lr = this->lr(group);
-    if (weight_decay_ != 0) p.mul_(1.0 - lr * weight_decay_);
+    if (const double wd = weight_decay(group); wd != 0) p.mul_(1.0 - lr * wd);
     p.add_(m.mul(beta1_).add_(g, 1.0 - beta1_).sign_(), -lr);
     m.mul_(beta2_).add_(g, 1.0 - beta2_);
     fusebox::write_back(param, p, stochastic_, rounding_seed(param));
   }
 
  private:
-  double beta1_, beta2_, weight_decay_;
+  double beta1_, beta2_;
   bool stochastic_;
 };
 

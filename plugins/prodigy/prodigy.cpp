@@ -38,7 +38,6 @@ class Prodigy final : public fusebox_plugins::AutoLrOptimizer {
         beta2_(hp.real_pair("betas").second),
         beta3_(hp.is_set("beta3") ? hp.real("beta3") : std::sqrt(beta2_)),
         eps_(hp.real("eps")),
-        weight_decay_(hp.real("weight_decay")),
         d0_(hp.real("d0")),
         d_coef_(hp.real("d_coef")),
         growth_rate_(hp.real("growth_rate")),
@@ -68,7 +67,7 @@ class Prodigy final : public fusebox_plugins::AutoLrOptimizer {
         if (!param.grad().defined()) continue;
         fusebox::ParamState& st = state(gi, i);
         at::Tensor p = fusebox::fp32_view(param);
-        at::Tensor g = grad_of(param, p);
+        at::Tensor g = grad_of(param, p, gi);
         at::Tensor ps = sliced(p);
         if (st.step == 0) {
           st["s"] = at::zeros({ps.numel()}, ps.options());
@@ -116,11 +115,11 @@ class Prodigy final : public fusebox_plugins::AutoLrOptimizer {
         at::Tensor p = fusebox::fp32_view(param);
         at::Tensor denom = st["exp_avg_sq"].sqrt().add_(d * eps_);
         if (beta1_ == 0) {
-          at::Tensor g = grad_of(param, p);  // before the decoupled decay changes p
-          if (weight_decay_ != 0 && decouple_) p.mul_(1 - weight_decay_ * dlr);
+          at::Tensor g = grad_of(param, p, gi);  // before the decoupled decay changes p
+          if (weight_decay(gi) != 0 && decouple_) p.mul_(1 - weight_decay(gi) * dlr);
           p.addcdiv_(g, denom, -dlr * d);
         } else {
-          if (weight_decay_ != 0 && decouple_) p.mul_(1 - weight_decay_ * dlr);
+          if (weight_decay(gi) != 0 && decouple_) p.mul_(1 - weight_decay(gi) * dlr);
           p.addcdiv_(st["exp_avg"], denom, -dlr);
         }
         fusebox::write_back(param, p, stochastic_, rounding_seed(param));
@@ -131,9 +130,10 @@ class Prodigy final : public fusebox_plugins::AutoLrOptimizer {
 
  private:
   // The gradient in p's dtype, with coupled (L2) weight decay when asked.
-  at::Tensor grad_of(const at::Tensor& param, const at::Tensor& p) const {
+  at::Tensor grad_of(const at::Tensor& param, const at::Tensor& p, size_t gi) const {
     at::Tensor g = param.grad().to(p.scalar_type());
-    return weight_decay_ != 0 && !decouple_ ? g.add(p, weight_decay_) : g;
+    const double wd = weight_decay(gi);
+    return wd != 0 && !decouple_ ? g.add(p, wd) : g;
   }
   // State saved with another slice_p holds another number of samples (s, p0): refused, naming
   // the parameter, before any state changes (p0, the starting point, cannot be sampled again).
@@ -163,7 +163,7 @@ class Prodigy final : public fusebox_plugins::AutoLrOptimizer {
     return x.reshape(-1).slice(0, 0, x.numel(), slice_);
   }
 
-  double beta1_, beta2_, beta3_, eps_, weight_decay_, d0_, d_coef_, growth_rate_;
+  double beta1_, beta2_, beta3_, eps_, d0_, d_coef_, growth_rate_;
   int64_t slice_;
   bool decouple_, bias_correction_, safeguard_, stochastic_;
 };

@@ -23,7 +23,6 @@ class Sgd final : public fusebox::Optimizer {
       : Optimizer(std::move(groups), hp),
         momentum_(hp.real("momentum")),
         dampening_(hp.real("dampening")),
-        weight_decay_(hp.real("weight_decay")),
         nesterov_(hp.flag("nesterov")),
         stochastic_(hp.flag("stochastic_rounding")) {}
 
@@ -31,7 +30,7 @@ class Sgd final : public fusebox::Optimizer {
   void update_param(const at::Tensor& param, fusebox::ParamState& state, size_t group) override {
     at::Tensor p = fusebox::fp32_view(param);
     at::Tensor grad = param.grad().to(p.scalar_type());
-    if (weight_decay_ != 0) grad = grad.add(p, weight_decay_);
+    if (const double wd = weight_decay(group); wd != 0) grad = grad.add(p, wd);
     if (momentum_ != 0) {
       at::Tensor& buf = state["momentum_buffer"];
       if (!buf.defined())
@@ -46,7 +45,7 @@ class Sgd final : public fusebox::Optimizer {
   }
 
  private:
-  double momentum_, dampening_, weight_decay_;
+  double momentum_, dampening_;
   bool nesterov_, stochastic_;
 };
 

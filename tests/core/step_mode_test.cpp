@@ -673,17 +673,38 @@ TEST(SplitParamGroups, SizePolicyBalancesBytesCountPolicyCountsTensors) {
   EXPECT_THROW(split_param_groups({g}, 0, SplitPolicy::Size), Error);
 }
 
-TEST(SplitParamGroups, DifferentLearningRatesNeverShareAGroup) {
+// N optimizers, whatever the parameter groups: a piece that spans two groups holds a part of
+// each, with that group's own lr and weight decay.
+TEST(SplitParamGroups, APieceKeepsEachParameterGroupsLrAndWeightDecay) {
   ParamGroup a, b;
-  a.params = {at::zeros({4}), at::zeros({4})};
+  a.params = {at::zeros({4}), at::zeros({4}), at::zeros({4})};
+  a.names = {"a0", "a1", "a2"};
   a.lr = 0.1;
   b.params = {at::zeros({4})};
+  b.names = {"b0"};
   b.lr = 0.2;
+  b.weight_decay = 0;
   for (SplitPolicy policy : {SplitPolicy::Size, SplitPolicy::Count}) {
-    auto s = split_param_groups({a, b}, 1, policy);
-    ASSERT_EQ(s.size(), 2u);
-    EXPECT_EQ(s[0][0].lr, 0.1);
-    EXPECT_EQ(s[1][0].lr, 0.2);
+    auto one = split_param_groups({a, b}, 1, policy);
+    ASSERT_EQ(one.size(), 1u);
+    ASSERT_EQ(one[0].size(), 2u);
+    EXPECT_EQ(one[0][0].names, a.names);
+    EXPECT_EQ(one[0][0].lr, 0.1);
+    EXPECT_TRUE(std::isnan(one[0][0].weight_decay));
+    EXPECT_EQ(one[0][1].names, b.names);
+    EXPECT_EQ(one[0][1].lr, 0.2);
+    EXPECT_EQ(one[0][1].weight_decay, 0.0);
+    // Two pieces of two tensors each: a0 a1 | a2 b0.
+    auto two = split_param_groups({a, b}, 2, policy);
+    ASSERT_EQ(two.size(), 2u);
+    ASSERT_EQ(two[0].size(), 1u);
+    EXPECT_EQ(two[0][0].names, (std::vector<std::string>{"a0", "a1"}));
+    ASSERT_EQ(two[1].size(), 2u);
+    EXPECT_EQ(two[1][0].names, (std::vector<std::string>{"a2"}));
+    EXPECT_EQ(two[1][0].lr, 0.1);
+    EXPECT_EQ(two[1][1].names, (std::vector<std::string>{"b0"}));
+    EXPECT_EQ(two[1][1].lr, 0.2);
+    EXPECT_EQ(two[1][1].weight_decay, 0.0);
   }
 }
 

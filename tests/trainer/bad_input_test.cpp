@@ -118,7 +118,7 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"foreign ELF", "--optimizer-plugin {dir}/arm.so", "built for another architecture", 2},
       {"no entry point", "--optimizer-plugin " + tp + "/tp_no_entry.so",
        "has no fusebox_plugin_entry", 2},
-      {"ABI mismatch", "--optimizer-plugin " + tp + "/tp_api_major.so", "uses plugin API 2.0", 2},
+      {"ABI mismatch", "--optimizer-plugin " + tp + "/tp_api_major.so", "uses plugin API 3.0", 2},
       {"factory throws", "--optimizer-plugin " + tp + "/tp_factory_throws.so",
        "factory refuses to build", 2},
       {"step_param throws",

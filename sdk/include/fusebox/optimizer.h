@@ -24,11 +24,14 @@
 
 namespace fusebox {
 
-/// Parameters optimized together with one learning rate.
+/// Parameters optimized together with one learning rate and one weight decay (as torch::optim's
+/// param groups: biases and norms commonly get weight decay 0, embeddings a smaller lr).
 struct ParamGroup {
   std::vector<at::Tensor> params;  ///< leaf tensors with requires_grad
   std::vector<std::string> names;  ///< one unique name per param (empty: "g<i>.p<j>" are made up)
   double lr = std::numeric_limits<double>::quiet_NaN();  ///< NaN: use the "lr" hyperparameter
+  /// NaN: use the "weight_decay" hyperparameter (0 for a plugin without one).
+  double weight_decay = std::numeric_limits<double>::quiet_NaN();
 };
 
 /// Per-parameter state: a step count and named tensors (moments, factored statistics, ...).
@@ -45,13 +48,19 @@ using StateDict = std::map<std::string, at::Tensor>;
 /// The interface a plugin's optimizer implements.
 class FUSEBOX_VISIBLE Optimizer {
  public:
-  /// Takes the groups and validated hyperparameters (a group's NaN lr becomes hyperparameter lr).
+  /// Takes the groups and validated hyperparameters (a group's NaN lr becomes hyperparameter lr,
+  /// its NaN weight_decay hyperparameter weight_decay).
   Optimizer(std::vector<ParamGroup> groups, HyperParams hyperparams)
       : groups_(std::move(groups)), hp_(std::move(hyperparams)) {
     std::unordered_map<std::string, Slot> by_name;
     for (size_t g = 0; g < groups_.size(); ++g) {
       ParamGroup& group = groups_[g];
       if (std::isnan(group.lr)) group.lr = hp_.is_set("lr") ? hp_.real("lr") : 0.0;
+      if (std::isnan(group.weight_decay))
+        group.weight_decay = numeric_or_zero_(hp_, "weight_decay");
+      else if (!(group.weight_decay >= 0) || !std::isfinite(group.weight_decay))
+        throw Error("parameter group " + std::to_string(g) + " has weight decay " +
+                    std::to_string(group.weight_decay) + ": a group's own must be finite and >= 0");
       if (group.names.empty())
         for (size_t i = 0; i < group.params.size(); ++i)
           group.names.push_back("g" + std::to_string(g) + ".p" + std::to_string(i));
@@ -121,6 +130,9 @@ class FUSEBOX_VISIBLE Optimizer {
   double lr(size_t g) const { return groups_.at(g).lr; }
   /// Sets the learning rate of group `g` (schedulers call this).
   void set_lr(size_t g, double lr) { groups_.at(g).lr = lr; }
+  /// The weight decay of group `g` (the group's own, else the "weight_decay" hyperparameter):
+  /// plugins read this rather than the hyperparameter, so that groups can differ.
+  double weight_decay(size_t g) const { return groups_.at(g).weight_decay; }
   /// The step size actually applied in group `g` (Adafactor's alpha, auto-LR's d*lr).
   virtual double effective_lr(size_t g) const { return lr(g); }
   /// The validated hyperparameters this optimizer was built with.
@@ -291,6 +303,14 @@ class FUSEBOX_VISIBLE Optimizer {
     auto it = slots_.find(param.unsafeGetTensorImpl());
     if (it == slots_.end()) throw Error("step_param: tensor is not a parameter of this optimizer");
     return it->second;
+  }
+  // A real or integer hyperparameter's value; 0 when unset, undeclared or of another type.
+  static double numeric_or_zero_(const HyperParams& hp, const std::string& key) {
+    if (!hp.is_set(key)) return 0.0;
+    const Value& v = hp.value(key);
+    if (const auto* d = std::get_if<double>(&v)) return *d;
+    if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
+    return 0.0;
   }
   static uint64_t mix64_(uint64_t x) {  // splitmix64's finaliser: nearby inputs, unrelated outputs
     x += 0x9e3779b97f4a7c15ull;

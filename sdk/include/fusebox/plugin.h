@@ -20,7 +20,7 @@
 #include "fusebox/optimizer.h"
 
 /// Major version of the plugin API: plugins must match it exactly.
-#define FUSEBOX_API_MAJOR 1
+#define FUSEBOX_API_MAJOR 2
 /// Minor version of the plugin API: plugins may be older, not newer.
 #define FUSEBOX_API_MINOR 0
 

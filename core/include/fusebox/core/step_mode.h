@@ -113,8 +113,10 @@ enum class SplitPolicy {
   Count,  ///< equal numbers of tensors
 };
 
-/// Cuts `groups` into about `n` contiguous groups (parameters with different lrs never share one).
-/// `n` larger than the number of tensors is clamped. Each result becomes one optimizer.
+/// Cuts the parameters of `groups`, in order, into `n` contiguous pieces (`n` larger than the
+/// number of tensors is clamped; the count policy may make fewer). Each piece becomes one
+/// optimizer; a piece that spans parameter groups holds a part of each, with its lr and weight
+/// decay.
 std::vector<std::vector<ParamGroup>> split_param_groups(const std::vector<ParamGroup>& groups,
                                                         int64_t n, SplitPolicy policy);
 

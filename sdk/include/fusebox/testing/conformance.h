@@ -30,6 +30,9 @@
 //   EffectiveLr          effective_lr() is finite and not negative after steps (auto_lr: > 0)
 //   FollowsGroupLr       an lr hyperparameter: the group lr a scheduler sets is the one applied
 //                        (built with lr and with lr/2, the same set_lr schedule gives the same run)
+//   FollowsGroupWeightDecay
+//                        a real weight_decay hyperparameter: a group's own weight decay
+//                        (ParamGroup::weight_decay) is the one applied, not the hyperparameter
 //   Dtypes               float64, float32, bfloat16 and float16 parameters step without error,
 //                        keep their dtype and stay finite (step(), and step_param() if declared)
 //   NoGradientNoUpdate   step() leaves a parameter without a gradient untouched
@@ -614,6 +617,51 @@ inline void check_follows_group_lr(const Target& t) {
                            "plugin must read lr(group) at each step, not hyperparameter lr");
 }
 
+/// A group's own weight decay is the one applied: built with weight_decay=W and the first group
+/// at 0 steps exactly like built with weight_decay=0 and the second group at W. A plugin that
+/// copies hyperparameter weight_decay in its constructor decays every group alike and fails.
+inline void check_follows_group_weight_decay(const Target& t) {
+  std::shared_ptr<LoadedPlugin> p = load(t);
+  const HyperParamSpec* spec = p->schema().find("weight_decay");
+  if (!spec || spec->type != ParamType::Double) GTEST_SKIP() << "no real weight_decay";
+  const HyperParams given = detail::hyperparams(*p, t);
+  const double w = given.is_set("weight_decay") && given.real("weight_decay") > 0
+                       ? given.real("weight_decay")
+                       : 0.05;
+  auto with_decay = [&](double wd) {
+    UserArgs args = user_args(t);
+    char text[64];
+    std::snprintf(text, sizeof text, "%.17g", wd);
+    args["weight_decay"] = UserArg{std::monostate{}, text, "conformance"};
+    return p->validate(args);
+  };
+  // Two groups: fc1.* and the rest, each with its own weight decay (NaN: the hyperparameter's).
+  auto run = [&](const HyperParams& hp, double first, double second) {
+    detail::Model m;
+    std::vector<ParamGroup> groups(2);
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      ParamGroup& g = groups[i < 2 ? 0 : 1];
+      g.params.push_back(m.params[i]);
+      g.names.push_back(m.names[i]);
+    }
+    groups[0].weight_decay = first;
+    groups[1].weight_decay = second;
+    std::shared_ptr<Optimizer> opt = p->create(groups, hp);
+    EXPECT_EQ(opt->weight_decay(0), std::isnan(first) ? hp.real("weight_decay") : first);
+    for (int64_t s = 0; s < detail::kSteps; ++s) {
+      m.loss(s).backward();
+      opt->step();
+      opt->zero_grad();
+    }
+    return m;
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  detail::expect_identical(run(with_decay(w), 0.0, nan), run(with_decay(0.0), nan, w),
+                           "built with weight_decay=W and a group at 0, then with weight_decay=0 "
+                           "and the other group at W: the plugin must read weight_decay(group), "
+                           "not hyperparameter weight_decay");
+}
+
 /// Every floating dtype steps without error, keeps its dtype and stays finite.
 inline void check_dtypes(const Target& t) {
   std::shared_ptr<LoadedPlugin> p = load(t);
@@ -691,6 +739,9 @@ class Fixture : public ::testing::TestWithParam<Target> {};
   TEST_P(Suite, Deterministic) { ::fusebox::conformance::check_deterministic(GetParam()); }     \
   TEST_P(Suite, EffectiveLr) { ::fusebox::conformance::check_effective_lr(GetParam()); }        \
   TEST_P(Suite, FollowsGroupLr) { ::fusebox::conformance::check_follows_group_lr(GetParam()); } \
+  TEST_P(Suite, FollowsGroupWeightDecay) {                                                      \
+    ::fusebox::conformance::check_follows_group_weight_decay(GetParam());                       \
+  }                                                                                             \
   TEST_P(Suite, Dtypes) { ::fusebox::conformance::check_dtypes(GetParam()); }                   \
   TEST_P(Suite, NoGradientNoUpdate) {                                                           \
     ::fusebox::conformance::check_no_gradient_no_update(GetParam());                            \
