@@ -107,6 +107,13 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.train_batch_size = r.get<int64_t>("train-batch-size");
   c.gradient_accumulation_steps = r.get<int64_t>("gradient-accumulation-steps");
   c.max_grad_norm = r.get<double>("max-grad-norm");
+  for (const std::string& entry : r.get<std::vector<std::string>>("lr-scale"))
+    c.param_group_rules.lr_scale.push_back(parse_lr_scale(entry, r.label("lr-scale")));
+  c.param_group_rules.lr_scale_label = r.label("lr-scale");
+  c.param_group_rules.no_weight_decay = r.get<std::vector<std::string>>("no-weight-decay");
+  c.param_group_rules.no_weight_decay_label = r.label("no-weight-decay");
+  for (const std::string& glob : c.param_group_rules.no_weight_decay)
+    if (glob.empty()) throw Error(r.label("no-weight-decay") + ": a glob must not be empty");
   c.fused_backward_pass = r.get<bool>("fused-backward-pass");
   c.fused_optimizer_groups = r.maybe<int64_t>("fused-optimizer-groups").value_or(0);
   c.fused_optimizer_groups_split = r.get<std::string>("fused-optimizer-groups-split");

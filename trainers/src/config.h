@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "options.h"
+#include "param_groups.h"
 
 namespace fusebox::trainer {
 
@@ -28,6 +29,7 @@ struct TrainConfig {
   int64_t lr_warmup_steps = 0, max_train_steps = 1, train_batch_size = 1;
   int64_t gradient_accumulation_steps = 1;
   double max_grad_norm = 0;
+  GroupRules param_group_rules;  ///< --lr-scale and --no-weight-decay
   bool fused_backward_pass = false;
   int64_t fused_optimizer_groups = 0;  ///< 0: not grouped
   std::string fused_optimizer_groups_split;

@@ -13,8 +13,6 @@
 #include <utility>
 #include <vector>
 
-#include "fusebox/optimizer.h"
-
 namespace fusebox::trainer {
 
 /// One training batch. Which fields are set depends on the model (see data.h).
@@ -76,9 +74,6 @@ double builtin_parameter_count(const ModelOptions& options);
 /// Loads a TorchScript module; every parameter is made trainable. Throws Error naming the file.
 std::unique_ptr<Model> load_script_model(const std::string& path, c10::Device device,
                                          c10::ScalarType dtype);
-
-/// All parameters of `model` in one group, named, with the plugin's lr (NaN).
-std::vector<ParamGroup> param_groups(Model& model);
 
 /// Keeps the first occurrence of each tensor (by storage identity of the TensorImpl).
 std::vector<std::pair<std::string, at::Tensor>> unique_parameters(

@@ -34,15 +34,6 @@ int64_t count_elements(const std::vector<std::pair<std::string, at::Tensor>>& pa
   return n;
 }
 
-std::vector<ParamGroup> param_groups(Model& model) {
-  ParamGroup g;
-  for (auto& [name, t] : model.parameters()) {
-    g.names.push_back(name);
-    g.params.push_back(t);
-  }
-  return {g};
-}
-
 namespace {
 
 // Runs one block, `f(inputs)`; with gradient checkpointing it keeps only `inputs` and runs the

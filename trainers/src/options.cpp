@@ -100,6 +100,13 @@ std::vector<OptionSpec> build_specs() {
       add(opt("max-grad-norm", Kind::Real, 0.0,
               "clip gradients to this norm (0: off); fused/groups clip each tensor alone", "X")),
       0);
+  add(opt("lr-scale", Kind::TextList, std::vector<std::string>{},
+          "train the parameters whose names match GLOB at the learning rate times F (first "
+          "match wins; 0 keeps them where they are)",
+          "GLOB=F..."));
+  add(opt("no-weight-decay", Kind::TextList, std::vector<std::string>{},
+          "parameters whose names match a GLOB get weight decay 0 (e.g. '*.bias' '*norm*')",
+          "GLOB..."));
   add(opt("fused-backward-pass", Kind::Flag, false,
           "update each parameter inside backward as soon as its gradient is ready"));
   at_least(add(opt("fused-optimizer-groups", Kind::Int, {},
@@ -456,7 +463,7 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
         desc.add_options()(name, po::value<std::string>()->implicit_value("true"), "");
         break;
       case Kind::TextList:
-        if (s.name == "optimizer-args")
+        if (s.name == "optimizer-args" || s.name == "lr-scale" || s.name == "no-weight-decay")
           desc.add_options()(name, po::value<std::vector<std::string>>()->multitoken(), "");
         else
           desc.add_options()(name, po::value<std::vector<std::string>>(), "");

@@ -282,6 +282,48 @@ std::string out_of_memory_text(const std::string& what, const TrainConfig& c) {
 
 }  // namespace
 
+namespace {
+
+// A real or integer hyperparameter that is set, else nothing.
+std::optional<double> numeric_hyperparam(const HyperParams& hp, const std::string& key) {
+  if (!hp.values().count(key) || !hp.is_set(key)) return std::nullopt;
+  const Value& v = hp.value(key);
+  if (std::holds_alternative<double>(v) || std::holds_alternative<int64_t>(v)) return hp.real(key);
+  return std::nullopt;
+}
+
+// --lr-scale and --no-weight-decay need a plugin with that hyperparameter to vary per group.
+void check_param_group_rules(const GroupRules& rules, const LoadedPlugin& plugin,
+                             const HyperParams& hp) {
+  const std::string& name = plugin.info().name;
+  if (!rules.no_weight_decay.empty() && !numeric_hyperparam(hp, "weight_decay"))
+    throw Error(rules.no_weight_decay_label + ": plugin " + name +
+                " has no weight_decay hyperparameter, so there is no decay to switch off (see "
+                "trainer --describe-plugin " +
+                name + ")");
+  bool scaled = false;
+  for (const LrScaleRule& r : rules.lr_scale) {
+    scaled = scaled || r.factor != 1;
+    if (plugin.has(kAutoLr) && r.factor != 0 && r.factor != 1)
+      throw Error(rules.lr_scale_label + ": '" + r.glob + "=" + format_real(r.factor) +
+                  "': " + name +
+                  " estimates one step size for all parameters, so a group trains at its lr or "
+                  "not at all: the factor must be 1 or 0");
+  }
+  if (!scaled) return;
+  const HyperParamSpec* relative = plugin.schema().find("relative_step");
+  if (relative && relative->type == ParamType::Bool && hp.flag("relative_step"))
+    throw Error(rules.lr_scale_label + ": " + name +
+                " with relative_step=true computes its own step size and ignores the lr; pass "
+                "--optimizer-args relative_step=false lr=VALUE to scale an lr");
+  if (!numeric_hyperparam(hp, "lr"))
+    throw Error(rules.lr_scale_label + ": scales the learning rate, but plugin " + name +
+                " runs without one here (its lr is none or it has none); give --learning-rate "
+                "or lr in --optimizer-args");
+}
+
+}  // namespace
+
 HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin) {
   const PluginInfo& info = plugin.info();
   if (c.fused_backward_pass && !plugin.has(kSupportsStepParam))
@@ -321,6 +363,7 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
                 " with relative_step=true computes its own step size and would ignore the "
                 "schedule; pass --optimizer-args relative_step=false lr=VALUE to schedule an lr, "
                 "or leave --lr-scheduler constant");
+  check_param_group_rules(c.param_group_rules, plugin, hp);
   return hp;
 }
 
@@ -448,7 +491,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                               " holds no model buffers (written by an older fusebox): the model "
                               "keeps its initial buffers, so the result differs from an "
                               "uninterrupted run");
-  std::vector<ParamGroup> groups = param_groups(*model);
+  const GroupedParams grouped =
+      make_param_groups(model->parameters(), c.param_group_rules, numeric_hyperparam(hp, "lr"),
+                        numeric_hyperparam(hp, "weight_decay"));
+  std::vector<ParamGroup> groups = grouped.groups;
   if (dist.comm) {
     // Every rank starts from rank 0's weights (whatever the model's own initialisation did).
     std::vector<at::Tensor> params;
@@ -544,6 +590,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << " intra-op"
           << (used.blas > 0 ? ", " + std::to_string(used.blas) + " OpenBLAS" : std::string())
           << "\n"
+          << (grouped.summary.empty()
+                  ? ""
+                  : (c.name.empty() ? "" : "[" + c.name + "] ") + grouped.summary + "\n")
           << std::flush;  // a log redirected to a file has it even if the run is killed
 
   if (resumed)
