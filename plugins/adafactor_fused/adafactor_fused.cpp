@@ -27,24 +27,27 @@ class Adafactor final : public fusebox::Optimizer {
     s.flag("relative_step", true, "step size min(1e-2, 1/sqrt(t)) instead of lr");
     s.flag("warmup_init", false, "relative step grows as 1e-6·t (needs relative_step)");
     s.flag("stochastic_rounding", false, "round bf16 parameters stochastically on write-back");
-    s.rule("lr,relative_step", [](const fusebox::HyperParams& h) -> std::string {
-      if (h.is_set("lr") && h.flag("relative_step"))
-        return "lr cannot be given with relative_step=true (set relative_step=false)";
-      if (!h.is_set("lr") && !h.flag("relative_step")) return "relative_step=false needs an lr";
-      return "";
-    });
+    s.rule("lr,relative_step", "an lr exactly when relative_step=false",
+           [](const fusebox::HyperParams& h) -> std::string {
+             if (h.is_set("lr") && h.flag("relative_step"))
+               return "lr cannot be given with relative_step=true (set relative_step=false)";
+             if (!h.is_set("lr") && !h.flag("relative_step"))
+               return "relative_step=false needs an lr";
+             return "";
+           });
     // eps2 = 0 only lets a zero parameter stay put; eps1 = 0 divides by a zero row or column
     // of squared gradients, and one such row turns the whole update into NaN.
-    s.rule("eps", [](const fusebox::HyperParams& h) -> std::string {
+    s.rule("eps", "eps1 above 0", [](const fusebox::HyperParams& h) -> std::string {
       if (h.real_pair("eps").first <= 0)
         return "eps1 (the first of eps) must be above 0: a zero gradient row would make NaN";
       return "";
     });
-    s.rule("warmup_init,relative_step", [](const fusebox::HyperParams& h) -> std::string {
-      if (h.flag("warmup_init") && !h.flag("relative_step"))
-        return "warmup_init=true needs relative_step=true";
-      return "";
-    });
+    s.rule("warmup_init,relative_step", "warmup_init=true only with relative_step=true",
+           [](const fusebox::HyperParams& h) -> std::string {
+             if (h.flag("warmup_init") && !h.flag("relative_step"))
+               return "warmup_init=true needs relative_step=true";
+             return "";
+           });
   }
 
   Adafactor(std::vector<fusebox::ParamGroup> groups, const fusebox::HyperParams& hp)

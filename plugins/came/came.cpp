@@ -16,7 +16,7 @@ class Came final : public fusebox::Optimizer {
     s.real("beta3", 0.9999, "decay of the instability statistics").at_least(0).below(1);
     s.real("weight_decay", 0.0, "decoupled weight decay: θ ← θ·(1 - lr·wd)").at_least(0);
     s.flag("stochastic_rounding", false, "round bf16 parameters stochastically on write-back");
-    s.rule("lr", [](const fusebox::HyperParams& h) -> std::string {
+    s.rule("lr", "an lr (its default is none)", [](const fusebox::HyperParams& h) -> std::string {
       return h.is_set("lr") ? "" : "came needs an lr (e.g. lr=1e-4)";
     });
   }

@@ -11,11 +11,12 @@ class Sgd final : public fusebox::Optimizer {
     s.real("dampening", 0.0, "dampening of the momentum").at_least(0).at_most(1);
     s.real("weight_decay", 0.0, "L2 penalty added to the gradient").at_least(0);
     s.flag("nesterov", false, "Nesterov momentum (needs momentum > 0 and dampening = 0)");
-    s.rule("nesterov,momentum,dampening", [](const fusebox::HyperParams& h) -> std::string {
-      if (h.flag("nesterov") && (h.real("momentum") <= 0 || h.real("dampening") != 0))
-        return "nesterov needs momentum > 0 and dampening = 0";
-      return "";
-    });
+    s.rule("nesterov,momentum,dampening", "nesterov=true needs momentum > 0 and dampening = 0",
+           [](const fusebox::HyperParams& h) -> std::string {
+             if (h.flag("nesterov") && (h.real("momentum") <= 0 || h.real("dampening") != 0))
+               return "nesterov needs momentum > 0 and dampening = 0";
+             return "";
+           });
     s.flag("stochastic_rounding", false, "round bf16 parameters stochastically on write-back");
   }
 

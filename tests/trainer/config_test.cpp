@@ -287,8 +287,10 @@ TEST(TrainerProgram, ListAndDescribePlugins) {
   EXPECT_NE(r.out.find("broken: "), std::string::npos) << r.out;  // e.g. tp_no_entry.so
   r = run_trainer({"--plugin-dir", FUSEBOX_PLUGIN_DIR, "--describe-plugin", "sgd"});
   EXPECT_EQ(r.code, 0) << r.err;
-  for (const char* s : {"momentum", "nesterov", "double", "bool", "(0, inf)", "[0, 1)",
-                        "learning rate", "nesterov,momentum,dampening"})
+  for (const char* s :
+       {"momentum", "nesterov", "double", "bool", "(0, inf)", "[0, 1)", "learning rate",
+        "nesterov,momentum,dampening: nesterov=true needs momentum > 0 and "
+        "dampening = 0"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
   r = run_trainer({"--plugin-dir", FUSEBOX_PLUGIN_DIR, "--describe-plugin", "sgf"});
   EXPECT_EQ(r.code, kExitUsage);

@@ -36,22 +36,6 @@ std::string range_text(const HyperParamSpec& s) {
   return r;
 }
 
-std::string table(const std::vector<std::vector<std::string>>& rows, const std::string& indent) {
-  std::vector<size_t> w(rows.front().size(), 0);
-  for (const auto& row : rows)
-    for (size_t i = 0; i < row.size(); ++i) w[i] = std::max(w[i], row[i].size());
-  std::string out;
-  for (const auto& row : rows) {
-    std::string line = indent;
-    for (size_t i = 0; i < row.size(); ++i) {
-      line += row[i];
-      if (i + 1 < row.size()) line += std::string(w[i] - row[i].size() + 2, ' ');
-    }
-    out += line + "\n";
-  }
-  return out;
-}
-
 // A default as users would write it, with the shortest exact form of each number.
 std::string value_text(const Value& v) {
   if (auto* d = std::get_if<double>(&v)) return format_real(*d);
@@ -103,9 +87,27 @@ std::string describe_plugin_text(const LoadedPlugin& plugin) {
   }
   if (!s.rules().empty()) {
     o << "\nrules (checked together after each value is valid):\n";
-    for (const auto& r : s.rules()) o << "  a constraint over: " << r.keys << "\n";
+    for (const auto& r : s.rules())
+      o << "  " << (r.help.empty() ? "a constraint over: " + r.keys : r.keys + ": " + r.help)
+        << "\n";
   }
   return o.str();
+}
+
+std::string table(const std::vector<std::vector<std::string>>& rows, const std::string& indent) {
+  std::vector<size_t> w(rows.front().size(), 0);
+  for (const auto& row : rows)
+    for (size_t i = 0; i < row.size(); ++i) w[i] = std::max(w[i], row[i].size());
+  std::string out;
+  for (const auto& row : rows) {
+    std::string line = indent;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line += std::string(w[i] - row[i].size() + 2, ' ');
+    }
+    out += line + "\n";
+  }
+  return out;
 }
 
 }  // namespace fusebox::trainer

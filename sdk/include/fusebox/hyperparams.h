@@ -73,6 +73,7 @@ class HyperParams;
 struct Rule {
   std::string keys;                                      ///< the keys it concerns, for messages
   std::function<std::string(const HyperParams&)> check;  ///< "" when satisfied
+  std::string help;  ///< what it requires, for --describe-plugin ("" if not given)
 };
 
 /// What Schema's declarations return: refines the spec just declared, `.at_least(0).below(1)`.
@@ -156,7 +157,14 @@ class Schema {
   }
   /// Adds a cross-field rule over `keys` (a comma-separated list, used in messages).
   Schema& rule(const std::string& keys, std::function<std::string(const HyperParams&)> check) {
-    rules_.push_back({keys, std::move(check)});
+    rules_.push_back({keys, std::move(check), ""});
+    return *this;
+  }
+  /// Adds a cross-field rule with a one-line description of what it requires (shown by the
+  /// trainer's --describe-plugin).
+  Schema& rule(const std::string& keys, const std::string& help,
+               std::function<std::string(const HyperParams&)> check) {
+    rules_.push_back({keys, std::move(check), help});
     return *this;
   }
   /// The declared hyperparameters, in declaration order.
