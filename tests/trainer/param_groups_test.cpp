@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -226,6 +227,31 @@ TEST(ParamGroups, RulesThatCannotApplyAreOneLineErrors) {
     EXPECT_NE(r.err.find(c.expected), std::string::npos) << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   }
+}
+
+// --list-params: every parameter in model order with the group, lr and weight decay it would
+// train with; nothing is trained or written.
+TEST(ParamGroups, ListParamsShowsWhatEachParameterTrainsWith) {
+  TempDir tmp;
+  const Result r =
+      run_trainer({"--optimizer", "adamw", "--model-width", "16", "--output-dir", tmp.file("out"),
+                   "--list-params", "--lr-scale", "head.*=0.5", "--no-weight-decay", "*.bias"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out,
+            "parameters of mlp (width 16, depth 2): 561 parameters in 6 tensors with adamw (4 "
+            "param groups; lr before any schedule):\n"
+            "  NAME             SHAPE     VALUES  GROUP  LR     WEIGHT DECAY\n"
+            "  layers.0.weight  [16, 16]  256     0      0.001  0.01\n"
+            "  layers.0.bias    [16]      16      1      0.001  0.0\n"
+            "  layers.1.weight  [16, 16]  256     0      0.001  0.01\n"
+            "  layers.1.bias    [16]      16      1      0.001  0.0\n"
+            "  head.weight      [1, 16]   16      2      5e-04  0.01\n"
+            "  head.bias        [1]       1       3      5e-04  0.0\n");
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
+  // The rules are checked as for training.
+  const Result bad = run_trainer({"--optimizer", "adamw", "--list-params", "--lr-scale", "x=1"});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("'x' matches no parameter"), std::string::npos) << bad.err;
 }
 
 TEST(ParamGroups, AConfigFileSetsTheRulesAsLists) {

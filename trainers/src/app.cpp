@@ -273,6 +273,14 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     return kExitOk;
   }
 
+  if (cl.list_params) {
+    for (const PlannedRun& p : plan) {
+      if (plan.size() > 1) out << "[" << p.config.name << "]\n";
+      out << list_params_text(p.config, *p.plugin, p.hyperparams);
+    }
+    return kExitOk;
+  }
+
   // Data parallel: --nproc-per-node starts the ranks; a rank joins the job.
   const int64_t nproc = std::get<int64_t>(top.values.at("nproc-per-node").value);
   if (nproc > 1 && launched_as_rank()) {

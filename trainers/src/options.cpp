@@ -54,6 +54,9 @@ std::vector<OptionSpec> build_specs() {
           "with [[runs]] in the config: train only the run of this name (repeatable)", "NAME"));
   add(opt("print-config", Kind::Action, {},
           "print the fully resolved configuration as TOML and exit"));
+  add(opt("list-params", Kind::Action, {},
+          "print the model's parameters with the lr and weight decay each trains with, and "
+          "exit"));
   add(opt("help", Kind::Action, {}, "print this help and exit"));
   add(opt("version", Kind::Action, {}, "print the version and exit"));
 
@@ -514,6 +517,7 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
         if (name == "version") cl.version = true;
         if (name == "list-plugins") cl.list_plugins = true;
         if (name == "print-config") cl.print_config = true;
+        if (name == "list-params") cl.list_params = true;
         break;
       case Kind::ActionArg: {
         const std::string v = o.value.empty() ? "" : o.value.front();

@@ -10,10 +10,12 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <regex>
 
 #include "checkpoint.h"
 #include "data.h"
+#include "describe.h"
 #include "fusebox/core/autocast.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/device.h"
@@ -365,6 +367,48 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
                 "or leave --lr-scheduler constant");
   check_param_group_rules(c.param_group_rules, plugin, hp);
   return hp;
+}
+
+std::string list_params_text(const TrainConfig& c, const LoadedPlugin& plugin,
+                             const HyperParams& hp) {
+  check_model_fits(c, host::usable_memory(), 1);
+  at::manual_seed(static_cast<uint64_t>(c.seed));
+  std::unique_ptr<Model> model;
+  if (c.model_script) {
+    model = load_script_model(*c.model_script, c10::Device(c10::kCPU), param_dtype(c));
+  } else {
+    ModelOptions mo = model_options(c);
+    mo.dtype = param_dtype(c);
+    model = make_builtin_model(mo);
+  }
+  const std::optional<double> lr = numeric_hyperparam(hp, "lr");
+  const std::optional<double> wd = numeric_hyperparam(hp, "weight_decay");
+  const GroupedParams grouped = make_param_groups(model->parameters(), c.param_group_rules, lr, wd);
+  std::vector<std::vector<std::string>> rows = {
+      {"NAME", "SHAPE", "VALUES", "GROUP", "LR", "WEIGHT DECAY"}};
+  for (size_t g = 0; g < grouped.groups.size(); ++g) {
+    const ParamGroup& group = grouped.groups[g];
+    const std::string group_lr = !std::isnan(group.lr) ? format_real(group.lr)
+                                 : lr                  ? format_real(*lr)
+                                                       : "-";
+    const std::string group_wd = !std::isnan(group.weight_decay) ? format_real(group.weight_decay)
+                                 : wd                            ? format_real(*wd)
+                                                                 : "-";
+    for (size_t i = 0; i < group.params.size(); ++i) {
+      rows.push_back({group.names[i], c10::str(group.params[i].sizes()),
+                      std::to_string(group.params[i].numel()), std::to_string(g), group_lr,
+                      group_wd});
+    }
+  }
+  // Model order, as the model names them (groups only gather them).
+  std::map<std::string, size_t> row_of;
+  for (size_t r = 1; r < rows.size(); ++r) row_of[rows[r][0]] = r;
+  std::vector<std::vector<std::string>> ordered = {rows.front()};
+  for (const auto& [name, t] : model->parameters()) ordered.push_back(rows[row_of.at(name)]);
+  return "parameters of " + model->describe() + " with " + plugin.info().name + " (" +
+         std::to_string(grouped.groups.size()) + " param group" +
+         (grouped.groups.size() == 1 ? "" : "s") + "; lr before any schedule):\n" +
+         table(ordered, "  ");
 }
 
 void check_runtime(const TrainConfig& c, int world, int local_rank, int local_ranks,

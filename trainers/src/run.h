@@ -43,6 +43,11 @@ HyperParams plugin_hyperparams(const TrainConfig& config, const LoadedPlugin& pl
 void check_runtime(const TrainConfig& config, int world, int local_rank, int local_ranks,
                    std::ostream& warnings);
 
+/// --list-params: the model's parameters (name, shape, values) with the lr and weight decay each
+/// trains with under --lr-scale and --no-weight-decay. Builds the model on the CPU.
+std::string list_params_text(const TrainConfig& config, const LoadedPlugin& plugin,
+                             const HyperParams& hyperparams);
+
 /// Trains one run. Set-up problems throw Error; failures during training throw TrainingFailed.
 RunSummary run_training(const TrainConfig& config, const LoadedPlugin& plugin,
                         const HyperParams& hyperparams, Console& console,
