@@ -60,7 +60,8 @@ enum class Section : uint8_t {
   Rng = 2,
   Meta = 3,
   Counter = 4,
-  Buffer = 5
+  Buffer = 5,
+  Ema = 6  // added in fusebox 0.2; older readers refuse it as an unknown section
 };
 
 // A bounds-checked cursor over an untrusted payload: every length is checked against what is
@@ -229,7 +230,8 @@ void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
 std::string encode_checkpoint(const Checkpoint& ckpt) {
   std::string payload;
   const uint64_t entries = ckpt.model.size() + ckpt.buffers.size() + ckpt.optimizer.size() +
-                           ckpt.rng.size() + ckpt.meta.size() + ckpt.counters.size();
+                           ckpt.rng.size() + ckpt.meta.size() + ckpt.counters.size() +
+                           ckpt.ema.size();
   put<uint64_t>(payload, entries);
   auto key = [&](Section s, const std::string& k) {
     put<uint8_t>(payload, static_cast<uint8_t>(s));
@@ -247,6 +249,7 @@ std::string encode_checkpoint(const Checkpoint& ckpt) {
   };
   for (const auto& [k, v] : ckpt.model) key(Section::Model, k), tensor(v);
   for (const auto& [k, v] : ckpt.buffers) key(Section::Buffer, k), tensor(v);
+  for (const auto& [k, v] : ckpt.ema) key(Section::Ema, k), tensor(v);
   for (const auto& [k, v] : ckpt.optimizer) key(Section::Optimizer, k), tensor(v);
   for (const auto& [k, v] : ckpt.rng) key(Section::Rng, k), tensor(v);
   for (const auto& [k, v] : ckpt.meta) {
@@ -295,6 +298,9 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where) 
         break;
       case Section::Buffer:
         out.buffers[k] = in.tensor();
+        break;
+      case Section::Ema:
+        out.ema[k] = in.tensor();
         break;
       case Section::Optimizer:
         out.optimizer[k] = in.tensor();

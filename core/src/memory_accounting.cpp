@@ -41,8 +41,9 @@ Breakdown account(const StepMode& mode, int64_t measured_peak) {
 
 std::string describe(const Breakdown& b, const std::string& mode) {
   return "weights " + format_bytes(b.weights) + " + optimizer state " + format_bytes(b.state) +
-         " + gradients alive " + format_bytes(b.grads_alive) + " (" + mode +
-         " bound) + activations/scratch " + format_bytes(b.activations_and_scratch()) + " = peak " +
+         " + gradients alive " + format_bytes(b.grads_alive) + " (" + mode + " bound) + " +
+         (b.ema > 0 ? "EMA " + format_bytes(b.ema) + " + " : std::string()) +
+         "activations/scratch " + format_bytes(b.activations_and_scratch()) + " = peak " +
          format_bytes(b.measured_peak);
 }
 

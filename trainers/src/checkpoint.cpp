@@ -167,6 +167,23 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
   return out;
 }
 
+std::string restore_ema(const Checkpoint& ckpt, ParameterEma& ema) {
+  if (ckpt.ema.empty())
+    return "the checkpoint holds no parameter average (written without --ema-decay): the "
+           "average starts from the resumed parameters, so it differs from an uninterrupted run's";
+  const auto it = ckpt.counters.find("ema_updates");
+  if (it == ckpt.counters.end() || it->second < 0)
+    throw Error(
+        "--resume: the checkpoint's parameter average has no valid update count: the "
+        "checkpoint was not written by fusebox's trainer");
+  try {
+    ema.load(ckpt.ema, it->second);
+  } catch (const Error& e) {
+    throw Error(std::string("--resume: ") + e.what());
+  }
+  return "";
+}
+
 std::optional<BestEval> restore_best_eval(const Checkpoint& ckpt) {
   auto loss = ckpt.meta.find("best_eval_loss");
   auto step = ckpt.counters.find("best_eval_step");
@@ -253,6 +270,10 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.counters["step"] = step;
   ckpt.counters["scheduler_steps"] = ctx.scheduler.step_count();
   if (ctx.skipped_in_a_row) ckpt.counters["skipped_in_a_row"] = *ctx.skipped_in_a_row;
+  if (ctx.ema) {
+    ckpt.ema = ctx.ema->averages();
+    ckpt.counters["ema_updates"] = ctx.ema->updates();
+  }
   if (ctx.last_metrics_record && !ctx.last_metrics_record->empty())
     ckpt.meta["last_metrics_record"] = *ctx.last_metrics_record;
   if (ctx.best_eval && *ctx.best_eval) {

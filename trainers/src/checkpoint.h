@@ -13,6 +13,7 @@
 #include "data.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/distributed.h"
+#include "fusebox/core/ema.h"
 #include "fusebox/core/loss_scaler.h"
 #include "fusebox/core/lr_scheduler.h"
 #include "fusebox/core/plugin_registry.h"
@@ -52,6 +53,11 @@ int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrSchedul
                                DataSource& data,
                                const std::optional<StateShare>& share = std::nullopt);
 
+/// --ema-decay: restores the checkpoint's averages into `ema`; returns a warning when the
+/// checkpoint has none (written without --ema-decay: the average starts from the resumed
+/// parameters), else "". A malformed or foreign average throws Error.
+std::string restore_ema(const Checkpoint& ckpt, ParameterEma& ema);
+
 /// The lowest evaluation loss so far and the step it came after (--eval-every). Checkpoints keep
 /// it, so a resumed run with --save-model-at best replaces the saved model only with a better
 /// one, and --early-stop-patience stops it where it would have stopped the uninterrupted run.
@@ -80,6 +86,7 @@ struct CheckpointContext {
   const LossScaler* loss_scaler = nullptr;    ///< its scale and progress are saved when given
   const std::string* last_metrics_record = nullptr;    ///< saved when given (see MetricsFiles)
   const std::optional<BestEval>* best_eval = nullptr;  ///< saved when given and set
+  const ParameterEma* ema = nullptr;                   ///< --ema-decay: saved when given
 };
 
 /// Continues `scaler` from the scale a checkpoint saved (a dynamic scale goes on where it was);

@@ -114,6 +114,10 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.param_group_rules.no_weight_decay_label = r.label("no-weight-decay");
   for (const std::string& glob : c.param_group_rules.no_weight_decay)
     if (glob.empty()) throw Error(r.label("no-weight-decay") + ": a glob must not be empty");
+  c.ema_decay = r.get<double>("ema-decay");
+  if (c.ema_decay >= 1)
+    throw Error(r.label("ema-decay") + ": " + format_real(c.ema_decay) +
+                " would never move the average; give a decay below 1 (e.g. 0.999), or 0 for none");
   c.fused_backward_pass = r.get<bool>("fused-backward-pass");
   c.fused_optimizer_groups = r.maybe<int64_t>("fused-optimizer-groups").value_or(0);
   c.fused_optimizer_groups_split = r.get<std::string>("fused-optimizer-groups-split");

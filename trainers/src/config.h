@@ -30,6 +30,7 @@ struct TrainConfig {
   int64_t gradient_accumulation_steps = 1;
   double max_grad_norm = 0;
   GroupRules param_group_rules;  ///< --lr-scale and --no-weight-decay
+  double ema_decay = 0;          ///< --ema-decay (0: no average)
   bool fused_backward_pass = false;
   int64_t fused_optimizer_groups = 0;  ///< 0: not grouped
   std::string fused_optimizer_groups_split;

@@ -110,6 +110,11 @@ std::vector<OptionSpec> build_specs() {
   add(opt("no-weight-decay", Kind::TextList, std::vector<std::string>{},
           "parameters whose names match a GLOB get weight decay 0 (e.g. '*.bias' '*norm*')",
           "GLOB..."));
+  at_least(add(opt("ema-decay", Kind::Real, 0.0,
+                   "keep an exponential moving average of the parameters with this decay (below "
+                   "1; 0: none): evaluations and --save-model use it",
+                   "D")),
+           0);
   add(opt("fused-backward-pass", Kind::Flag, false,
           "update each parameter inside backward as soon as its gradient is ready"));
   at_least(add(opt("fused-optimizer-groups", Kind::Int, {},

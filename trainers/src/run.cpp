@@ -19,6 +19,7 @@
 #include "fusebox/core/autocast.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/device.h"
+#include "fusebox/core/ema.h"
 #include "fusebox/core/host_resources.h"
 #include "fusebox/core/loss_scaler.h"
 #include "fusebox/core/lr_scheduler.h"
@@ -595,6 +596,14 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   if (resumed && so.loss_scaler)
     if (const std::string note = restore_loss_scale(*resumed, *so.loss_scaler); !note.empty())
       resume_warnings.push_back(note);
+  // --ema-decay: the average starts from the (resumed) parameters or continues the checkpoint's.
+  std::optional<ParameterEma> ema;
+  if (c.ema_decay > 0) {
+    ema.emplace(model->parameters(), c.ema_decay);
+    if (resumed)
+      if (const std::string note = restore_ema(*resumed, *ema); !note.empty())
+        resume_warnings.push_back(note);
+  }
   if (first_step >= c.max_train_steps)
     throw Error("--resume: the checkpoint is at step " + std::to_string(first_step) +
                 ", --max-train-steps is " + std::to_string(c.max_train_steps) + ": nothing to do");
@@ -637,6 +646,11 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << (grouped.summary.empty()
                   ? ""
                   : (c.name.empty() ? "" : "[" + c.name + "] ") + grouped.summary + "\n")
+          << (ema ? (c.name.empty() ? "" : "[" + c.name + "] ") + "EMA of the parameters: decay " +
+                        format_real(c.ema_decay) +
+                        " (warm-up min(decay, (1 + t) / (10 + t))); evaluations and --save-model "
+                        "use the average\n"
+                  : std::string())
           << std::flush;  // a log redirected to a file has it even if the run is killed
 
   if (resumed)
@@ -694,7 +708,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                    &skipped_in_a_row,
                                    so.loss_scaler.get(),
                                    &files.last_record(),  // the newest metrics record
-                                   &best_eval};
+                                   &best_eval,
+                                   ema ? &*ema : nullptr};
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]", first_step);
   end_bar_line = [&progress] { progress.finish(); };
@@ -803,6 +818,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       m.loss_scale = loss_scale;
       // A dropped update does not use up the schedule (as accelerate does after a skipped step).
       if (!stats.skipped) scheduler.step();
+      if (!stats.skipped && ema) ema->update();
       memory::mark_phase("idle");
       if (device.is_cpu()) {
         m.peak_bytes = memory::peak_bytes();
@@ -815,6 +831,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       m.step_seconds = seconds_since(t0);
       const bool final = step == c.max_train_steps;
       if (eval_data && (step % c.eval_every == 0 || final)) {
+        std::optional<ParameterEma::Swap> averaged;  // --ema-decay: the average is evaluated
+        if (ema) averaged.emplace(*ema);
         m.eval_loss = evaluate(*model, *eval_data, c, dist, device, dtype, loss_dtype);
         summary.eval_loss = m.eval_loss;
         if (std::isfinite(*m.eval_loss) && (!best_eval || *m.eval_loss < best_eval->loss)) {
@@ -879,6 +897,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   } catch (const std::exception& e) {
     throw TrainingFailed(failed_in + first_line(e.what()));
   }
+  if (ema)
+    for (const auto& [name, avg] : ema->averages())
+      acct.ema += avg.numel() * static_cast<int64_t>(avg.element_size());
   summary.memory_breakdown = memory::describe(acct, mode->name());
   summary.weights_bytes = acct.weights, summary.state_bytes = acct.state;
   summary.grads_alive_bytes = acct.grads_alive;
@@ -897,6 +918,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
             << std::flush;
   if (c.save_model && !c.save_best_eval && dist.leader()) {
     try {
+      std::optional<ParameterEma::Swap> averaged;  // --ema-decay: the average is the result
+      if (ema) averaged.emplace(*ema);
       write_model(*model, *c.save_model);
     } catch (const std::exception& e) {
       throw TrainingFailed(failed_in + first_line(e.what()) +

@@ -32,6 +32,7 @@ struct Checkpoint {
   std::map<std::string, std::string> meta;    ///< plugin, plugin_version, mode, config, ...
   std::map<std::string, int64_t> counters;    ///< step, scheduler_steps, ...
   std::map<std::string, at::Tensor> rng;      ///< generator states ("cpu", "cuda:0", ...)
+  std::map<std::string, at::Tensor> ema;      ///< parameter averages (ParameterEma), by name
 };
 
 /// Writes `ckpt` to `path` atomically (temp file + fsync + rename). Throws Error naming the path.

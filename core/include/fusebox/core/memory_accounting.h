@@ -19,9 +19,10 @@ struct Breakdown {
   int64_t state = 0;          ///< optimizer state (all instances)
   int64_t grads_alive = 0;    ///< gradients the mode keeps alive at once (its bound)
   int64_t all_grads = 0;      ///< every gradient (what the normal loop holds)
+  int64_t ema = 0;            ///< an average of the parameters (ParameterEma), if kept
   int64_t measured_peak = 0;  ///< from the counting allocator / CUDA statistics
-  /// weights + state + grads_alive: the mode's floor before activations.
-  int64_t floor() const { return weights + state + grads_alive; }
+  /// weights + state + grads_alive (+ ema): the floor before activations.
+  int64_t floor() const { return weights + state + grads_alive + ema; }
   /// What the peak holds beyond the floor: activations and scratch.
   int64_t activations_and_scratch() const { return measured_peak - floor(); }
 };
