@@ -229,6 +229,55 @@ TEST(ParamGroups, RulesThatCannotApplyAreOneLineErrors) {
   }
 }
 
+// --freeze: the frozen parameters keep their initial values, get no gradient and no optimizer
+// state (less state memory), and every mode and a resume agree.
+TEST(ParamGroups, FrozenParametersStayAndHoldNoState) {
+  TempDir tmp;
+  auto run = [&](const std::string& name, const std::vector<std::string>& extra) {
+    const Result r = run_trainer(join(mlp(tmp.file(name), tmp.file(name + ".pt")), extra));
+    EXPECT_EQ(r.code, 0) << name << ": " << r.err;
+    return r;
+  };
+  run("still", {"--lr-scale", "*=0"});  // every parameter at its start
+  const auto start = load_model_weights(tmp.file("still.pt"));
+  const Result frozen = run("frozen", {"--freeze", "layers.0.*", "--save-every-n-steps", "2"});
+  EXPECT_NE(frozen.out.find("; frozen: 2 tensors, 272 values (no gradients, no optimizer state)"),
+            std::string::npos)
+      << frozen.out;
+  const auto trained = load_model_weights(tmp.file("frozen.pt"));
+  ASSERT_EQ(trained.size(), 6u) << "--save-model holds the frozen parameters too";
+  for (const auto& [name, t] : trained)
+    EXPECT_EQ(at::equal(t, start.at(name)), name.rfind("layers.0.", 0) == 0) << name;
+  const Checkpoint ckpt = load_checkpoint(tmp.file("frozen/" + checkpoint_name(4)));
+  EXPECT_EQ(ckpt.model.size(), 6u);
+  for (const auto& [key, t] : ckpt.optimizer)
+    EXPECT_NE(key.rfind("layers.0.", 0), 0u) << "state for a frozen parameter: " << key;
+  run("all", {});
+  const auto state_bytes = [&](const std::string& name) {
+    const std::string s = read_text(tmp.file(name + "/summary.json"));
+    return std::stoll(s.substr(s.find("\"optimizer_state_bytes\":") + 24));
+  };
+  EXPECT_LT(state_bytes("frozen"), state_bytes("all"));
+
+  const std::string bytes = read_text(tmp.file("frozen.pt"));
+  for (const std::vector<std::string>& mode : {std::vector<std::string>{"--fused-backward-pass"},
+                                               {"--fused-optimizer-groups", "2"},
+                                               {"--gradient-checkpointing"}}) {
+    const std::string name = "mode" + mode.front();
+    run(name, join({"--freeze", "layers.0.*"}, mode));
+    EXPECT_TRUE(read_text(tmp.file(name + ".pt")) == bytes) << mode.front();
+  }
+  run("resumed", {"--freeze", "layers.0.*", "--resume", tmp.file("frozen/" + checkpoint_name(2))});
+  EXPECT_TRUE(read_text(tmp.file("resumed.pt")) == bytes);
+
+  const Result everything =
+      run_trainer(join(mlp(tmp.file("x"), tmp.file("x.pt")), {"--freeze", "layers.*", "head.*"}));
+  EXPECT_EQ(everything.code, 2);
+  EXPECT_NE(everything.err.find("--freeze: freezes every parameter of this model"),
+            std::string::npos)
+      << everything.err;
+}
+
 // --list-params: every parameter in model order with the group, lr and weight decay it would
 // train with; nothing is trained or written.
 TEST(ParamGroups, ListParamsShowsWhatEachParameterTrainsWith) {
@@ -247,6 +296,12 @@ TEST(ParamGroups, ListParamsShowsWhatEachParameterTrainsWith) {
             "  layers.1.bias    [16]      16      1      0.001  0.0\n"
             "  head.weight      [1, 16]   16      2      5e-04  0.01\n"
             "  head.bias        [1]       1       3      5e-04  0.0\n");
+  const Result frozen = run_trainer(
+      {"--optimizer", "adamw", "--model-width", "16", "--list-params", "--freeze", "layers.1.*"});
+  ASSERT_EQ(frozen.code, 0) << frozen.err;
+  EXPECT_NE(frozen.out.find("  layers.1.bias    [16]      16      frozen  -      -\n"),
+            std::string::npos)
+      << frozen.out;
   EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
   // The rules are checked as for training.
   const Result bad = run_trainer({"--optimizer", "adamw", "--list-params", "--lr-scale", "x=1"});

@@ -114,6 +114,10 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.param_group_rules.no_weight_decay_label = r.label("no-weight-decay");
   for (const std::string& glob : c.param_group_rules.no_weight_decay)
     if (glob.empty()) throw Error(r.label("no-weight-decay") + ": a glob must not be empty");
+  c.param_group_rules.freeze = r.get<std::vector<std::string>>("freeze");
+  c.param_group_rules.freeze_label = r.label("freeze");
+  for (const std::string& glob : c.param_group_rules.freeze)
+    if (glob.empty()) throw Error(r.label("freeze") + ": a glob must not be empty");
   c.ema_decay = r.get<double>("ema-decay");
   if (c.ema_decay >= 1)
     throw Error(r.label("ema-decay") + ": " + format_real(c.ema_decay) +

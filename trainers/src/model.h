@@ -43,7 +43,8 @@ constexpr int64_t kDiffusionSteps = 1000;
 class Model {
  public:
   virtual ~Model() = default;
-  /// Every trainable tensor once (tied weights appear once), with dotted names.
+  /// Every floating-point parameter once (tied weights appear once), with dotted names; those
+  /// --freeze leaves untrained have requires_grad false.
   virtual std::vector<std::pair<std::string, at::Tensor>> parameters() = 0;
   /// Tensors the model keeps besides its parameters and may change while training (a script
   /// module's buffers, e.g. BatchNorm's running statistics); checkpoints save and restore them.

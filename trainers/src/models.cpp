@@ -294,8 +294,9 @@ class BuiltinModel : public Model {
   }
   std::vector<std::pair<std::string, at::Tensor>> parameters() override {
     std::vector<std::pair<std::string, at::Tensor>> named;
+    // Every parameter, trained or frozen (--freeze): checkpoints and --save-model hold them all.
     for (const auto& item : m_->named_parameters(/*recurse=*/true))
-      if (item.value().requires_grad()) named.emplace_back(item.key(), item.value());
+      named.emplace_back(item.key(), item.value());
     return unique_parameters(std::move(named));
   }
   at::Tensor loss(const Batch& b) override;

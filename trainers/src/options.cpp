@@ -110,6 +110,10 @@ std::vector<OptionSpec> build_specs() {
   add(opt("no-weight-decay", Kind::TextList, std::vector<std::string>{},
           "parameters whose names match a GLOB get weight decay 0 (e.g. '*.bias' '*norm*')",
           "GLOB..."));
+  add(opt("freeze", Kind::TextList, std::vector<std::string>{},
+          "parameters whose names match a GLOB are not trained: no gradients, no optimizer "
+          "state (e.g. 'tok.*')",
+          "GLOB..."));
   at_least(add(opt("ema-decay", Kind::Real, 0.0,
                    "keep an exponential moving average of the parameters with this decay (below "
                    "1; 0: none): evaluations and --save-model use it",
@@ -471,7 +475,8 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
         desc.add_options()(name, po::value<std::string>()->implicit_value("true"), "");
         break;
       case Kind::TextList:
-        if (s.name == "optimizer-args" || s.name == "lr-scale" || s.name == "no-weight-decay")
+        if (s.name == "optimizer-args" || s.name == "lr-scale" || s.name == "no-weight-decay" ||
+            s.name == "freeze")
           desc.add_options()(name, po::value<std::vector<std::string>>()->multitoken(), "");
         else
           desc.add_options()(name, po::value<std::vector<std::string>>(), "");

@@ -2,6 +2,7 @@
 
 #include <fnmatch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -60,11 +61,15 @@ GroupedParams make_param_groups(const std::vector<std::pair<std::string, at::Ten
     for (const auto& p : params) any = any || glob_matches(r.glob, p.first);
     if (!any) throw unmatched(rules.lr_scale_label, r.glob);
   }
-  for (const std::string& glob : rules.no_weight_decay) {
-    bool any = false;
-    for (const auto& p : params) any = any || glob_matches(glob, p.first);
-    if (!any) throw unmatched(rules.no_weight_decay_label, glob);
-  }
+  auto check_globs = [&](const std::vector<std::string>& globs, const std::string& label) {
+    for (const std::string& glob : globs) {
+      bool any = false;
+      for (const auto& p : params) any = any || glob_matches(glob, p.first);
+      if (!any) throw unmatched(label, glob);
+    }
+  };
+  check_globs(rules.no_weight_decay, rules.no_weight_decay_label);
+  check_globs(rules.freeze, rules.freeze_label);
   // A group per (factor, decay) pair, in the order their first parameters come.
   struct Key {
     double factor;
@@ -76,7 +81,14 @@ GroupedParams make_param_groups(const std::vector<std::pair<std::string, at::Ten
   std::map<Key, size_t> index;
   std::vector<Key> keys;
   std::vector<int64_t> values;
+  int64_t frozen_values = 0;
   for (const auto& [name, t] : params) {
+    if (std::any_of(rules.freeze.begin(), rules.freeze.end(),
+                    [&](const std::string& glob) { return glob_matches(glob, name); })) {
+      out.frozen.emplace_back(name, t);
+      frozen_values += t.numel();
+      continue;
+    }
     Key key{1.0, true};
     for (const LrScaleRule& r : rules.lr_scale)
       if (glob_matches(r.glob, name)) {
@@ -103,6 +115,10 @@ GroupedParams make_param_groups(const std::vector<std::pair<std::string, at::Ten
     out.groups[it->second].params.push_back(t);
     values[it->second] += t.numel();
   }
+  if (out.groups.empty())
+    throw Error(rules.freeze_label +
+                ": freezes every parameter of this model, so nothing would "
+                "train; freeze fewer (--list-params shows the names)");
   std::string parts;
   for (size_t g = 0; g < out.groups.size(); ++g) {
     const Key& k = keys[g];
@@ -115,6 +131,9 @@ GroupedParams make_param_groups(const std::vector<std::pair<std::string, at::Ten
              " tensors, " + std::to_string(values[g]) + " values";
   }
   out.summary = "param groups: " + std::to_string(out.groups.size()) + " (" + parts + ")";
+  if (!out.frozen.empty())
+    out.summary += "; frozen: " + std::to_string(out.frozen.size()) + " tensors, " +
+                   std::to_string(frozen_values) + " values (no gradients, no optimizer state)";
   return out;
 }
 

@@ -401,6 +401,8 @@ std::string list_params_text(const TrainConfig& c, const LoadedPlugin& plugin,
                       group_wd});
     }
   }
+  for (const auto& [name, t] : grouped.frozen)
+    rows.push_back({name, c10::str(t.sizes()), std::to_string(t.numel()), "frozen", "-", "-"});
   // Model order, as the model names them (groups only gather them).
   std::map<std::string, size_t> row_of;
   for (size_t r = 1; r < rows.size(); ++r) row_of[rows[r][0]] = r;
@@ -540,10 +542,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       make_param_groups(model->parameters(), c.param_group_rules, numeric_hyperparam(hp, "lr"),
                         numeric_hyperparam(hp, "weight_decay"));
   std::vector<ParamGroup> groups = grouped.groups;
+  // --freeze: autograd computes no gradient for these, and no optimizer holds them.
+  for (const auto& [name, t] : grouped.frozen) t.requires_grad_(false);
   if (dist.comm) {
     // Every rank starts from rank 0's weights (whatever the model's own initialisation did).
-    std::vector<at::Tensor> params;
-    for (const auto& g : groups) params.insert(params.end(), g.params.begin(), g.params.end());
+    std::vector<at::Tensor> params;  // trained and frozen ones
+    for (const auto& [name, t] : model->parameters()) params.push_back(t);
     broadcast_parameters(*dist.comm, params, 0);
   }
   // A model's buffers (running statistics that forward updates) follow rank 0's, broadcast before
@@ -599,7 +603,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   // --ema-decay: the average starts from the (resumed) parameters or continues the checkpoint's.
   std::optional<ParameterEma> ema;
   if (c.ema_decay > 0) {
-    ema.emplace(model->parameters(), c.ema_decay);
+    std::vector<std::pair<std::string, at::Tensor>> trained;  // a frozen one's average is itself
+    for (const ParamGroup& g : groups)
+      for (size_t i = 0; i < g.params.size(); ++i) trained.emplace_back(g.names[i], g.params[i]);
+    ema.emplace(std::move(trained), c.ema_decay);
     if (resumed)
       if (const std::string note = restore_ema(*resumed, *ema); !note.empty())
         resume_warnings.push_back(note);
@@ -897,6 +904,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   } catch (const std::exception& e) {
     throw TrainingFailed(failed_in + first_line(e.what()));
   }
+  for (const auto& [name, t] : grouped.frozen)  // the mode accounts the trained ones
+    acct.weights += t.numel() * static_cast<int64_t>(t.element_size());
   if (ema)
     for (const auto& [name, avg] : ema->averages())
       acct.ema += avg.numel() * static_cast<int64_t>(avg.element_size());
