@@ -346,6 +346,14 @@ TEST(TrainerEval, EarlyStopPatienceStopsAfterEvaluationsWithoutABetterLossAcross
                            "--early-stop-patience above 3"),
             std::string::npos)
       << again.err;
+  // --resume auto (the same command for every start of a job): finished, exit 0.
+  const Result automatic =
+      run_trainer(join(transformer(tmp.file("three"), 8), join(patience(3), {"--resume", "auto"})));
+  EXPECT_EQ(automatic.code, 0) << automatic.err;
+  EXPECT_NE(automatic.out.find("the run stopped early (3 evaluations in a row without a better "
+                               "loss; --early-stop-patience 3): it is finished, nothing to do"),
+            std::string::npos)
+      << automatic.out;
   const Result five =
       run_trainer(join(transformer(tmp.file("five"), 8), join(patience(5), {"--resume", from})));
   const Result whole = run_trainer(join(transformer(tmp.file("whole"), 8), patience(5)));

@@ -369,3 +369,47 @@ TEST(TrainerResume, TheCheckpointIsReleasedOnceRestored) {
   for (size_t step = 2; step < 4; ++step)
     EXPECT_EQ(split[step], straight[step]) << "step " << step + 1;
 }
+
+// --resume auto: the same command for every start of a job. The first start trains afresh, a
+// later one continues from the newest checkpoint, and one after the run ended exits 0 and
+// changes nothing.
+TEST(TrainerResume, ResumeAutoStartsContinuesAndFinishes) {
+  TempDir tmp;
+  auto args = [&](const std::string& out, int steps) {
+    return with(base_args(out, "adamw", steps), {"--lr-scheduler", "constant"});
+  };
+  const Result whole = run_trainer(args(tmp.file("whole"), 6));
+  ASSERT_EQ(whole.code, 0) << whole.err;
+
+  const std::string job = tmp.file("job");
+  const Result first = run_trainer(with(args(job, 3), {"--resume", "auto"}));
+  ASSERT_EQ(first.code, 0) << first.err;
+  EXPECT_EQ(first.err, "");
+  EXPECT_EQ(first.out.find("resuming from"), std::string::npos) << first.out;
+  const Result second = run_trainer(with(args(job, 6), {"--resume", "auto"}));
+  ASSERT_EQ(second.code, 0) << second.err;
+  EXPECT_NE(second.out.find("resuming from " + job + "/" + fusebox::checkpoint_name(3)),
+            std::string::npos)
+      << second.out;
+  expect_same(fusebox::load_checkpoint(job + "/" + fusebox::checkpoint_name(6)).model,
+              fusebox::load_checkpoint(tmp.file("whole/" + fusebox::checkpoint_name(6))).model,
+              "started, stopped at 3 and continued with --resume auto");
+
+  const std::string metrics = read_text(job + "/metrics.jsonl");
+  const std::string last = read_text(job + "/" + fusebox::checkpoint_name(6));
+  const Result again = run_trainer(with(args(job, 6), {"--resume", "auto"}));
+  EXPECT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("trainer: " + job + "/" + fusebox::checkpoint_name(6) +
+                           " is at step 6 of --max-train-steps 6: the run is finished, nothing "
+                           "to do"),
+            std::string::npos)
+      << again.out;
+  EXPECT_TRUE(read_text(job + "/metrics.jsonl") == metrics);
+  EXPECT_TRUE(read_text(job + "/" + fusebox::checkpoint_name(6)) == last);
+  // --resume latest keeps refusing a finished run: it names a checkpoint to continue.
+  EXPECT_EQ(run_trainer(with(args(job, 6), {"--resume", "latest"})).code, 2);
+  const Result no_dir = run_trainer(with(args("", 6), {"--resume", "auto"}));
+  EXPECT_EQ(no_dir.code, 2);
+  EXPECT_NE(no_dir.err.find("auto means the newest checkpoint in --output-dir"), std::string::npos)
+      << no_dir.err;
+}

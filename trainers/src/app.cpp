@@ -352,6 +352,11 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       console.out.flush();
       if (dist.leader()) err << ("trainer: " + std::string(stopped.what()) + "\n") << std::flush;
       return 128 + stopped.signal();
+    } catch (const AlreadyFinished& done) {
+      // --resume auto: a job started again after its run ended has nothing to do.
+      if (dist.leader())
+        console.out << ("trainer: " + p.config.message_prefix() + done.what() + "\n") << std::flush;
+      continue;
     } catch (const TrainingFailed&) {
       throw;  // already names its run
     } catch (const Error& ex) {

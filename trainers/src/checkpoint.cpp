@@ -23,12 +23,14 @@ void check_checkpoint_options(const TrainConfig& c) {
     throw Error("--save-every-n-steps must be >= 0 (0: only at the end)");
 }
 
-fs::path resume_checkpoint_path(const TrainConfig& c) {
+std::optional<fs::path> resume_checkpoint_path(const TrainConfig& c) {
   fs::path path = *c.resume;
   std::error_code ec;
-  if (*c.resume == "latest" || fs::is_directory(path, ec)) {
-    const fs::path dir = *c.resume == "latest" ? fs::path(c.output_dir) : path;
+  const bool in_output_dir = *c.resume == "latest" || *c.resume == "auto";
+  if (in_output_dir || fs::is_directory(path, ec)) {
+    const fs::path dir = in_output_dir ? fs::path(c.output_dir) : path;
     const std::optional<fs::path> latest = latest_checkpoint(dir);
+    if (!latest && *c.resume == "auto") return std::nullopt;  // the run's first start
     if (!latest) throw Error("--resume " + *c.resume + ": no checkpoint-*.fbx in " + dir.string());
     path = *latest;
   }
@@ -38,7 +40,9 @@ fs::path resume_checkpoint_path(const TrainConfig& c) {
 std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& c, const LoadedPlugin& plugin,
                                                  std::string* from) {
   if (!c.resume) return std::nullopt;
-  const fs::path path = resume_checkpoint_path(c);
+  const std::optional<fs::path> found = resume_checkpoint_path(c);
+  if (!found) return std::nullopt;
+  const fs::path& path = *found;
   Checkpoint ckpt;
   try {
     ckpt = load_checkpoint(path);

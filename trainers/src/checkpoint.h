@@ -26,12 +26,13 @@ namespace fusebox::trainer {
 void check_checkpoint_options(const TrainConfig& config);
 
 /// The checkpoint file --resume names (a file, the one written last in a folder, or latest in
-/// --output-dir); throws fusebox::Error when there is none. `config.resume` must be set.
-std::filesystem::path resume_checkpoint_path(const TrainConfig& config);
+/// --output-dir); throws fusebox::Error when there is none, except with auto (the one written last
+/// in --output-dir, if any), which gives nullopt then. `config.resume` must be set.
+std::optional<std::filesystem::path> resume_checkpoint_path(const TrainConfig& config);
 
-/// Loads the checkpoint named by --resume (a file; a folder or "latest" in --output-dir: the
-/// checkpoint written last there) and checks it was written by the same plugin; nullopt without
-/// --resume. `from`, when given, receives the file's path.
+/// Loads the checkpoint named by --resume (a file; a folder, or "latest"/"auto" in --output-dir:
+/// the checkpoint written last there) and checks it was written by the same plugin; nullopt
+/// without --resume, or with auto and no checkpoint yet. `from`, when given, receives the path.
 std::optional<Checkpoint> load_resume_checkpoint(const TrainConfig& config,
                                                  const LoadedPlugin& plugin,
                                                  std::string* from = nullptr);

@@ -289,18 +289,18 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
                 "give --eval-every N");
   if (c.resume) {
     std::error_code ec;
-    if (*c.resume != "latest" && !fs::exists(*c.resume, ec))
+    const bool in_output_dir = *c.resume == "latest" || *c.resume == "auto";
+    if (!in_output_dir && !fs::exists(*c.resume, ec))
       throw Error(r.label("resume") + ": checkpoint " + *c.resume + does_not_exist(ec));
     // A pipe or device would block the trainer (or never end): a checkpoint is a file or folder.
-    if (*c.resume != "latest" && !fs::is_regular_file(*c.resume, ec) &&
-        !fs::is_directory(*c.resume, ec))
+    if (!in_output_dir && !fs::is_regular_file(*c.resume, ec) && !fs::is_directory(*c.resume, ec))
       throw Error(r.label("resume") + ": " + *c.resume +
                   " is neither a checkpoint file nor a folder of checkpoints");
   }
-  if (c.resume && *c.resume == "latest" && c.output_dir.empty())
-    throw Error(r.label("resume") +
-                ": latest means the newest checkpoint in --output-dir, which "
-                "is empty; give --output-dir or a checkpoint's path");
+  if (c.resume && (*c.resume == "latest" || *c.resume == "auto") && c.output_dir.empty())
+    throw Error(r.label("resume") + ": " + *c.resume +
+                " means the newest checkpoint in --output-dir, which is empty; give --output-dir "
+                "or a checkpoint's path");
   if (c.save_every_n_steps > 0 && c.output_dir.empty())
     throw Error(r.label("save-every-n-steps") +
                 ": checkpoints live in --output-dir, which is empty; give one, or "

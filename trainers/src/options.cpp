@@ -282,8 +282,9 @@ std::vector<OptionSpec> build_specs() {
            0);
   add(opt("resume", Kind::Text, {},
           "continue from a checkpoint file, the one written last in a folder, or latest (in "
-          "--output-dir); empty: start afresh",
-          "PATH|DIR|latest"));
+          "--output-dir); auto: latest if there is one, else start afresh, and exit 0 if that "
+          "run is finished (the same command for every start of a job); empty: start afresh",
+          "PATH|DIR|latest|auto"));
   add(opt("save-model", Kind::Text, {}, "write the trained parameters to this file (empty: do not)",
           "PATH"));
   choices(add(opt("save-model-at", Kind::Choice, std::string("last"),

@@ -611,6 +611,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       if (const std::string note = restore_ema(*resumed, *ema); !note.empty())
         resume_warnings.push_back(note);
   }
+  if (first_step >= c.max_train_steps && *c.resume == "auto")
+    throw AlreadyFinished(resumed_from + " is at step " + std::to_string(first_step) +
+                          " of --max-train-steps " + std::to_string(c.max_train_steps) +
+                          ": the run is finished, nothing to do");
   if (first_step >= c.max_train_steps)
     throw Error("--resume: the checkpoint is at step " + std::to_string(first_step) +
                 ", --max-train-steps is " + std::to_string(c.max_train_steps) + ": nothing to do");
@@ -625,7 +629,14 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       skipped_in_a_row = std::max<int64_t>(0, it->second);
   // The best evaluation so far, carried across a resume like the skips.
   std::optional<BestEval> best_eval = resumed ? restore_best_eval(*resumed) : std::nullopt;
-  if (best_eval && c.early_stop_patience > 0 && best_eval->evals_since >= c.early_stop_patience)
+  const bool stopped_early =
+      best_eval && c.early_stop_patience > 0 && best_eval->evals_since >= c.early_stop_patience;
+  if (stopped_early && *c.resume == "auto")
+    throw AlreadyFinished("the run stopped early (" + std::to_string(best_eval->evals_since) +
+                          " evaluations in a row without a better loss; --early-stop-patience " +
+                          std::to_string(c.early_stop_patience) +
+                          "): it is finished, nothing to do");
+  if (stopped_early)
     throw Error(
         "--resume: the checkpoint's run stopped early: " + std::to_string(best_eval->evals_since) +
         " evaluations in a row did not beat the best one (after step " +

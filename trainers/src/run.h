@@ -32,6 +32,13 @@ class TrainingFailed : public Error {
   using Error::Error;
 };
 
+/// --resume auto found the run finished (its checkpoint at --max-train-steps, or stopped early):
+/// nothing to train, and not an error.
+class AlreadyFinished : public Error {
+ public:
+  using Error::Error;
+};
+
 /// Checks what needs a plugin: capabilities against the mode, then the hyperparameters
 /// (--learning-rate becomes lr; --full-bf16 turns on stochastic_rounding when the plugin has it).
 HyperParams plugin_hyperparams(const TrainConfig& config, const LoadedPlugin& plugin);
