@@ -3,6 +3,7 @@
 #include "fusebox/core/ema.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
