@@ -428,3 +428,37 @@ TEST(TrainerDistributed, RanksStartedWithDifferentSettingsAreRefused) {
 }
 
 }  // namespace
+
+// Parameter groups, frozen parameters and the parameter average in a data-parallel job: the
+// ranks train and average like one process (float64 rounding only), the frozen parameters stay
+// where they started, and every mode of the job averages into the same bits.
+TEST(TrainerDistributed, GroupsFrozenParametersAndTheAverageTrainLikeOneProcess) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  const std::string base = common("adamw", 4) +
+                           " --freeze 'tok.*' --no-weight-decay '*.bias' '*ln*' pos --lr-scale "
+                           "'blocks.0.*=0.5' --ema-decay 0.8";
+  Result one = train(d, "one", base);
+  ASSERT_EQ(one.code, 0) << one.err;
+  const fusebox::Checkpoint ref =
+      fusebox::load_checkpoint(fusebox::list_checkpoints(d.file("one")).back());
+  Result still = train(d, "still", common("adamw", 1) + " --lr-scale '*=0'");
+  ASSERT_EQ(still.code, 0) << still.err;
+  const auto start = weights(d, "still");
+  std::map<std::string, at::Tensor> first;
+  for (const std::string mode :
+       {"", "--fused-backward-pass", "--fused-optimizer-groups 2", "--shard-optimizer-state"}) {
+    Result two = train(d, "two", base + " --nproc-per-node 2 " + mode);
+    ASSERT_EQ(two.code, 0) << mode << ": " << two.err;
+    const fusebox::Checkpoint c =
+        fusebox::load_checkpoint(fusebox::list_checkpoints(d.file("two")).back());
+    EXPECT_LT(max_diff(c.model, ref.model), 1e-10) << mode;
+    EXPECT_LT(max_diff(c.ema, ref.ema), 1e-10) << mode;
+    EXPECT_TRUE(at::equal(c.model.at("tok.weight"), start.at("tok.weight"))) << mode;
+    EXPECT_EQ(c.ema.count("tok.weight"), 0u) << "a frozen parameter is not averaged";
+    if (first.empty())
+      first = c.ema;
+    else
+      EXPECT_TRUE(identical(c.ema, first)) << mode << " averaged otherwise than normal mode";
+  }
+}
