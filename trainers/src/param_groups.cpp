@@ -83,8 +83,9 @@ GroupedParams make_param_groups(const std::vector<std::pair<std::string, at::Ten
   std::vector<int64_t> values;
   int64_t frozen_values = 0;
   for (const auto& [name, t] : params) {
+    const std::string& n = name;  // C++17 lambdas cannot capture a structured binding
     if (std::any_of(rules.freeze.begin(), rules.freeze.end(),
-                    [&](const std::string& glob) { return glob_matches(glob, name); })) {
+                    [&n](const std::string& glob) { return glob_matches(glob, n); })) {
       out.frozen.emplace_back(name, t);
       frozen_values += t.numel();
       continue;
