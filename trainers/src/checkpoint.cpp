@@ -143,6 +143,7 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
                                           "dist_bucket_mb",
                                           "shard_optimizer_state",
                                           "model_script",
+                                          "init_weights",
                                           "output_dir",
                                           "log_every",
                                           "save_every_n_steps",

@@ -206,6 +206,8 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
                 ": works with the built-in models only; a --model-script module runs as one "
                 "TorchScript call, whose activations fusebox cannot recompute");
   if (c.model_script) check_readable_file(r.label("model-script"), *c.model_script, "file");
+  c.init_weights = r.maybe_path("init-weights");
+  if (c.init_weights) check_readable_file(r.label("init-weights"), *c.init_weights, "file");
   if (!c.model_script) {
     if (c.model == "transformer" && c.model_width % c.model_heads != 0)
       throw Error(r.label("model-heads") + ": " + std::to_string(c.model_heads) +

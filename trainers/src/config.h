@@ -60,6 +60,7 @@ struct TrainConfig {
   int64_t image_size = 0;
   bool gradient_checkpointing = false;
   std::optional<std::string> model_script;
+  std::optional<std::string> init_weights;  ///< --init-weights: the parameters to start from
   std::string dataset;       ///< "synthetic", "none" or "text"
   std::string dataset_path;  ///< for "text"
   int64_t eval_every = 0;    ///< 0: no evaluation

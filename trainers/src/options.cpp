@@ -237,6 +237,11 @@ std::vector<OptionSpec> build_specs() {
           "train a TorchScript module instead: forward(batch) returns the scalar loss (empty: a "
           "built-in model)",
           "FILE"));
+  add(opt("init-weights", Kind::Text, {},
+          "start from the parameters in this file instead of the model's initialisation: a "
+          "--save-model file, a torch.save'd state_dict or a checkpoint (a resumed checkpoint "
+          "wins; empty: none)",
+          "FILE"));
 
   section = "Data";
   add(opt("dataset", Kind::Text, std::string("synthetic"),

@@ -29,6 +29,7 @@
 #include "fusebox/core/random_state.h"
 #include "fusebox/core/step_mode.h"
 #include "fusebox/core/threads.h"
+#include "init_weights.h"
 #include "interrupt.h"
 #include "model.h"
 
@@ -538,6 +539,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                               " holds no model buffers (written by an older fusebox): the model "
                               "keeps its initial buffers, so the result differs from an "
                               "uninterrupted run");
+  // --init-weights: a fresh run starts from the file's parameters (a resumed one from the
+  // checkpoint's, which already hold them trained on).
+  std::string initial_weights;
+  if (c.init_weights && !resumed) initial_weights = load_initial_weights(*c.init_weights, *model);
   const GroupedParams grouped =
       make_param_groups(model->parameters(), c.param_group_rules, numeric_hyperparam(hp, "lr"),
                         numeric_hyperparam(hp, "weight_decay"));
@@ -664,6 +669,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << (grouped.summary.empty()
                   ? ""
                   : (c.name.empty() ? "" : "[" + c.name + "] ") + grouped.summary + "\n")
+          << (initial_weights.empty() ? ""
+                                      : (c.name.empty() ? "" : "[" + c.name + "] ") +
+                                            "initial weights: " + initial_weights + "\n")
           << (ema ? (c.name.empty() ? "" : "[" + c.name + "] ") + "EMA of the parameters: decay " +
                         format_real(c.ema_decay) +
                         " (warm-up min(decay, (1 + t) / (10 + t))); evaluations and --save-model "
@@ -673,7 +681,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
 
   if (resumed)
     con.out << (c.name.empty() ? "" : "[" + c.name + "] ") << "resuming from " << resumed_from
-            << " (step " << first_step << ")\n"
+            << " (step " << first_step << ")"
+            << (c.init_weights ? "; --init-weights is not used: the checkpoint holds the weights"
+                               : "")
+            << "\n"
             << std::flush;
   std::optional<OutputFolderLock> folder_lock;  // held until the run ends
   if (!c.output_dir.empty() && dist.leader()) {

@@ -2,10 +2,6 @@
 #include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/script.h>
 
-#include <signal.h>
-#include <unistd.h>
-
-#include <cstring>
 #include <sstream>
 
 #include "fusebox/core/checkpoint.h"
@@ -13,6 +9,7 @@
 #include "fusebox/error.h"
 #include "launch.h"
 #include "model.h"
+#include "read_crash_guard.h"
 
 namespace fusebox::trainer {
 
@@ -29,47 +26,6 @@ std::string script_error(const std::string& what) {
     if (line.find_first_not_of(" \t") != std::string::npos) last = line;
   return last.substr(last.find_first_not_of(" \t"));
 }
-
-// LibTorch's unpickler does not check a malformed file's opcodes against its stack (1.13 dies of
-// SIGSEGV on a REDUCE or BUILD with nothing to apply it to). While a script is read, such a fault
-// ends the program with the one line a bad file gets (exit 2: nothing has trained or been written
-// yet) instead of a crash. Only async-signal-safe calls run in the handler.
-class ReadCrashGuard {
- public:
-  explicit ReadCrashGuard(const std::string& line) {
-    std::strncpy(message_, line.c_str(), sizeof(message_) - 2);
-    message_[sizeof(message_) - 2] = '\n';
-    stack_t alt{};
-    alt.ss_sp = alt_stack_;  // deep recursion in the reader overflows the normal stack
-    alt.ss_size = sizeof(alt_stack_);
-    ::sigaltstack(&alt, &old_stack_);
-    struct sigaction sa {};
-    sa.sa_handler = on_fault;
-    sa.sa_flags = SA_ONSTACK;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGSEGV, &sa, &old_segv_);
-    ::sigaction(SIGBUS, &sa, &old_bus_);
-  }
-  ~ReadCrashGuard() {
-    ::sigaction(SIGSEGV, &old_segv_, nullptr);
-    ::sigaction(SIGBUS, &old_bus_, nullptr);
-    ::sigaltstack(&old_stack_, nullptr);
-  }
-  ReadCrashGuard(const ReadCrashGuard&) = delete;
-  ReadCrashGuard& operator=(const ReadCrashGuard&) = delete;
-
- private:
-  static void on_fault(int) {
-    const ssize_t ignored = ::write(STDERR_FILENO, message_, ::strnlen(message_, sizeof(message_)));
-    (void)ignored;
-    ::_exit(2);
-  }
-  static inline char message_[1024] = {};
-  static inline char alt_stack_[1 << 16] = {};
-  stack_t old_stack_{};
-  struct sigaction old_segv_ {
-  }, old_bus_{};
-};
 
 class ScriptModel : public Model {
  public:

@@ -1,0 +1,134 @@
+#include "init_weights.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "fusebox/core/checkpoint.h"
+#include "fusebox/error.h"
+#include "launch.h"
+#include "model.h"
+#include "read_crash_guard.h"
+
+namespace fusebox::trainer {
+
+namespace {
+
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+bool is_checkpoint_file(const std::string& path) {
+  static constexpr char kMagic[] = "FUSEBOX-CKPT";  // checkpoint.cpp's file magic
+  char head[sizeof(kMagic) - 1] = {};
+  std::ifstream in(path, std::ios::binary);
+  return in.read(head, sizeof(head)) && std::memcmp(head, kMagic, sizeof(head)) == 0;
+}
+
+// Every tensor the file holds, by name; `step` is set for a checkpoint.
+std::map<std::string, at::Tensor> read_saved(const std::string& path, int64_t* step) {
+  if (is_checkpoint_file(path)) {
+    Checkpoint ckpt = load_checkpoint(path);  // its own reader: checks every length
+    if (auto it = ckpt.counters.find("step"); it != ckpt.counters.end()) *step = it->second;
+    std::map<std::string, at::Tensor> all = std::move(ckpt.model);
+    all.insert(ckpt.buffers.begin(), ckpt.buffers.end());
+    return all;
+  }
+  const ReadCrashGuard guard(error_line(
+      "--init-weights: " + path +
+      " cannot be read: LibTorch's reader crashed on it (a malformed file); write it again with "
+      "--save-model or torch.save(model.state_dict(), path)"));
+  return load_model_weights(path);
+}
+
+// "'a', 'b' and 3 more"
+std::string some_names(const std::vector<std::string>& names) {
+  std::string out;
+  const size_t shown = std::min<size_t>(names.size(), 3);
+  for (size_t i = 0; i < shown; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > shown) out += " and " + std::to_string(names.size() - shown) + " more";
+  return out;
+}
+
+// The checks of one saved tensor against the model's; `what` is "parameter" or "buffer".
+void check_one(const std::string& path, const std::string& what, const std::string& name,
+               const at::Tensor& saved, const at::Tensor& live) {
+  const std::string where = "--init-weights: " + path + ": " + what + " '" + name + "'";
+  if (saved.sizes() != live.sizes())
+    throw Error(where + " has shape " + c10::str(saved.sizes()) + ", this model's has " +
+                c10::str(live.sizes()) +
+                ": the file is for another model or other sizes (--model-width, --model-depth, "
+                "...)");
+  if (c10::isFloatingType(saved.scalar_type()) != c10::isFloatingType(live.scalar_type()))
+    throw Error(where + " is " + c10::toString(saved.scalar_type()) + ", this model's is " +
+                c10::toString(live.scalar_type()) +
+                ": an integer tensor and a floating one are not the same weights");
+  if (c10::isFloatingType(saved.scalar_type()) && !at::isfinite(saved).all().item<bool>())
+    throw Error(where +
+                " holds values that are not finite (NaN or Inf): the run that wrote it "
+                "diverged; start from an earlier file");
+}
+
+}  // namespace
+
+std::string load_initial_weights(const std::string& path, Model& model) {
+  int64_t step = -1;
+  std::map<std::string, at::Tensor> saved;
+  try {
+    saved = read_saved(path, &step);
+  } catch (const Error& e) {
+    throw Error(std::string("--init-weights: ") + e.what() +
+                "; give a --save-model file, a torch.save'd state_dict or a fusebox checkpoint");
+  }
+  const Named params = model.parameters(), buffers = model.buffers();
+  std::set<std::string> known;
+  for (const Named* list : {&params, &buffers})
+    for (const auto& [name, t] : *list) known.insert(name);
+
+  std::vector<std::string> unknown, missing;
+  for (const auto& [name, t] : saved)
+    if (!known.count(name)) unknown.push_back(name);
+  for (const auto& [name, t] : params)
+    if (!saved.count(name)) missing.push_back(name);
+  if (!unknown.empty()) {
+    // A DistributedDataParallel or torch.compile wrapper prefixes every name.
+    const bool wrapped = unknown.size() == saved.size() && (unknown[0].rfind("module.", 0) == 0 ||
+                                                            unknown[0].rfind("_orig_mod.", 0) == 0);
+    throw Error("--init-weights: " + path + " holds " + some_names(unknown) +
+                ", which this model has no parameter or buffer of" +
+                (wrapped ? " (the names carry a wrapper's prefix: save the inner module's "
+                           "state_dict)"
+                         : ": is it the weights of another model? (--list-params shows this "
+                           "model's names)"));
+  }
+  if (!missing.empty())
+    throw Error("--init-weights: " + path + " has no " + some_names(missing) +
+                " of this model's parameters: is it the weights of another model or other "
+                "sizes? (--list-params shows this model's names)");
+
+  // Every check before the first copy: a refused file leaves the model as it was.
+  size_t buffers_taken = 0;
+  for (const auto& [name, p] : params) check_one(path, "parameter", name, saved.at(name), p);
+  for (const auto& [name, b] : buffers)
+    if (auto it = saved.find(name); it != saved.end()) {
+      check_one(path, "buffer", name, it->second, b);
+      ++buffers_taken;
+    }
+  at::NoGradGuard no_grad;
+  for (const Named* list : {&params, &buffers})
+    for (const auto& [name, t] : *list)
+      if (auto it = saved.find(name); it != saved.end()) t.copy_(it->second);
+
+  std::string out =
+      path + (step >= 0 ? " (the model of checkpoint step " + std::to_string(step) + ")" : "") +
+      ": " + std::to_string(params.size()) + " parameter tensors";
+  if (buffers_taken > 0) out += ", " + std::to_string(buffers_taken) + " buffers";
+  if (buffers_taken < buffers.size())
+    out += "; " + std::to_string(buffers.size() - buffers_taken) +
+           " buffers keep their initial values (not in the file)";
+  return out;
+}
+
+}  // namespace fusebox::trainer
