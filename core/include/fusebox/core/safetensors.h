@@ -1,0 +1,47 @@
+// Model weights in the safetensors format, the one Hugging Face's libraries (diffusers,
+// transformers) and most published checkpoints use: an 8-byte little-endian header size, a JSON
+// header giving each tensor's dtype, shape and byte range, then the raw little-endian bytes.
+//
+// Reading runs no code from the file (unlike a pickle) and checks every size, range and name
+// before it allocates: a truncated or crafted file is an Error naming it, never a crash or an
+// allocation larger than the file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fusebox {
+
+/// The file's bytes for `tensors` (moved to the CPU, made contiguous), with `metadata` as its
+/// `__metadata__` (`format: pt` unless given). Tensors are laid out by decreasing element size,
+/// then name, so every one starts aligned to its element size. Throws Error for a dtype the format
+/// has no name for, or a name given twice.
+std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                               const std::map<std::string, std::string>& metadata = {});
+
+/// Writes encode_safetensors() to `path` atomically (temporary file, fsync, rename).
+void save_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const std::filesystem::path& path,
+                      const std::map<std::string, std::string>& metadata = {});
+
+/// Reads a safetensors file into CPU tensors by name; `metadata`, when given, receives its
+/// `__metadata__`. Reads each tensor straight into its storage (no second copy of the file).
+/// Throws Error naming the file and what is wrong.
+std::map<std::string, at::Tensor> load_safetensors(
+    const std::filesystem::path& path, std::map<std::string, std::string>* metadata = nullptr);
+
+/// The same for a file's bytes already in memory; `where` names them in errors.
+std::map<std::string, at::Tensor> parse_safetensors(
+    const std::string& bytes, const std::string& where,
+    std::map<std::string, std::string>* metadata = nullptr);
+
+/// True if `head`, a file's first bytes (at least 9), starts like a safetensors file: a header
+/// size, then the header's opening brace.
+bool looks_like_safetensors(const std::string& head);
+
+}  // namespace fusebox

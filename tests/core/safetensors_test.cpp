@@ -1,0 +1,202 @@
+// safetensors: exact round trips of every dtype, a file laid out by hand as the format describes
+// it, and one Error (never a crash) for each way a file can be wrong.
+#include "fusebox/core/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <functional>
+
+#include "../scratch_dir.h"
+#include "fusebox/error.h"
+
+using namespace fusebox;
+using fusebox::testing::ScratchDir;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+uint64_t le64(const std::string& b) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(b[i]);
+  return v;
+}
+
+// A file of `header` (padded with spaces to 8 bytes, as writers do) and `data`.
+std::string file_of(std::string header, const std::string& data) {
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((header.size() >> (8 * i)) & 0xFF);
+  return out + header + data;
+}
+
+std::string bytes_of(const at::Tensor& t) {
+  return std::string(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
+}
+
+}  // namespace
+
+// Every dtype the format names comes back bit for bit, with its shape (a scalar and an empty
+// tensor too); a non-contiguous tensor is written as its values; each tensor starts aligned to its
+// element size; metadata round-trips beside "format": "pt".
+TEST(Safetensors, EveryDtypeRoundTripsExactly) {
+  at::manual_seed(3);
+  const std::vector<std::pair<std::string, at::Tensor>> tensors = {
+      {"f64", at::randn({3, 2}, at::kDouble)},
+      {"f32.t", at::randn({4, 3}).t()},  // not contiguous
+      {"f16", at::randn({5}).to(at::kHalf)},
+      {"bf16", at::randn({2, 2, 2}).to(at::kBFloat16)},
+      {"i64", at::arange(-3, 4, at::kLong)},
+      {"i32", at::tensor({-7, 1 << 30}, at::kInt)},
+      {"i16", at::tensor({-300, 300}, at::kShort)},
+      {"i8", at::tensor({-128, 127}, at::kChar)},
+      {"u8", at::tensor({0, 255}, at::kByte)},
+      {"bool", at::tensor({1, 0, 1}, at::kByte).to(at::kBool)},
+      {"scalar", at::scalar_tensor(2.5)},
+      {"empty", at::zeros({0, 4})},
+      {"name \"with\" \\ and \n", at::ones({1})}};
+  std::map<std::string, std::string> meta_in = {{"step", "12"}, {"note", "a \"quoted\" value"}};
+  const std::string bytes = encode_safetensors(tensors, meta_in);
+  const uint64_t n = le64(bytes);
+  EXPECT_EQ(n % 8, 0u);
+  EXPECT_EQ(bytes[8], '{');
+  std::map<std::string, std::string> meta;
+  const auto back = parse_safetensors(bytes, "mem", &meta);
+  ASSERT_EQ(back.size(), tensors.size());
+  for (const auto& [name, t] : tensors) {
+    const at::Tensor& b = back.at(name);
+    EXPECT_EQ(b.scalar_type(), t.scalar_type()) << name;
+    EXPECT_EQ(b.sizes(), t.sizes()) << name;
+    EXPECT_EQ(bytes_of(b), bytes_of(t.contiguous())) << name;
+    // Aligned: the tensor's bytes start at a multiple of its element size within the file.
+    const std::string mine = bytes_of(t.contiguous());
+    if (!mine.empty()) {
+      const size_t at_offset = bytes.find(mine, 8 + n);
+      ASSERT_NE(at_offset, std::string::npos) << name;
+      EXPECT_EQ((at_offset - 8 - n) % t.element_size(), 0u) << name;
+    }
+  }
+  EXPECT_EQ(meta.at("format"), "pt");
+  EXPECT_EQ(meta.at("step"), "12");
+  EXPECT_EQ(meta.at("note"), "a \"quoted\" value");
+
+  ScratchDir dir("safetensors");
+  const std::string path = dir.file("w.safetensors");
+  save_safetensors(tensors, path, meta_in);
+  std::ifstream in(path, std::ios::binary);
+  const std::string on_disk((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(on_disk, bytes);
+  const auto loaded = load_safetensors(path);
+  for (const auto& [name, t] : tensors) EXPECT_TRUE(at::equal(loaded.at(name), back.at(name)));
+}
+
+// A file laid out by hand as the format's description gives it: metadata last, keys in any
+// order, whitespace, a \u escape and a surrogate pair in names, tensors in any byte order.
+TEST(Safetensors, ReadsAFileLaidOutByHand) {
+  const float w[4] = {1.0f, -2.0f, 0.5f, 3.0f};
+  std::string data(reinterpret_cast<const char*>(w), sizeof w);
+  data += std::string("\x80\x3f\x00\x40\x40\x40", 6);  // BF16 1, 2, 3
+  data += std::string("\x01\x00", 2);                  // BOOL
+  const std::string header = R"({
+    "b\u00e9\ud83d\ude00": {"shape": [3], "data_offsets": [16, 22], "dtype": "BF16"},
+    "mask": {"dtype": "BOOL", "shape": [2], "data_offsets": [22, 24]},
+    "w": {"data_offsets": [0, 16], "dtype": "F32", "shape": [2, 2]},
+    "__metadata__": {"format": "pt"}
+  })";
+  const auto t = parse_safetensors(file_of(header, data), "hand");
+  ASSERT_EQ(t.size(), 3u);
+  EXPECT_TRUE(at::equal(t.at("w"), at::tensor({1.0f, -2.0f, 0.5f, 3.0f}).reshape({2, 2})));
+  EXPECT_TRUE(at::equal(t.at("b\xC3\xA9\xF0\x9F\x98\x80"),
+                        at::tensor({1.0f, 2.0f, 3.0f}).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(t.at("mask"), at::tensor({1, 0}, at::kByte).to(at::kBool)));
+}
+
+// Each way a file can be wrong is one Error naming it and the fault.
+TEST(Safetensors, EveryBadFileIsOneErrorNamingTheFault) {
+  const std::string f32x2(8, '\0');
+  const std::string ok = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  ASSERT_EQ(error_of([&] { parse_safetensors(file_of(ok, f32x2), "f"); }), "(no error)");
+  std::string huge(8, '\0');
+  huge[7] = 0x01;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"short", "shorter than its 8-byte header size"},
+      {file_of(ok, f32x2).substr(0, 20), "is larger than the file (a truncated file?)"},
+      {huge + "{}", "is larger than 100 MiB"},
+      {file_of(ok, f32x2.substr(0, 4)), "are not inside the 4 bytes of data (a truncated file?)"},
+      {file_of(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},})", f32x2),
+       "not valid JSON (a name in quotes expected"},
+      {file_of(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})", f32x2),
+       "not valid JSON (it ends early"},
+      {file_of(R"({"w":{"dtype":"F32","shape":true,"data_offsets":[0,8]}})", f32x2),
+       "unexpected character"},
+      {file_of(R"({"w":[[[[[[[[[[1]]]]]]]]]]})", f32x2), "nested too deep"},
+      {file_of(R"({"w":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}})", f32x2),
+       "the name 'dtype' given twice"},
+      {file_of(R"({"w\q":{}})", f32x2), "an unknown escape"},
+      {file_of(R"({"w\ud800":{}})", f32x2), "a high surrogate without its low one"},
+      {file_of(R"({"w":{"dtype":"F8_E4M3","shape":[8],"data_offsets":[0,8]}})", f32x2),
+       "tensor 'w': dtype 'F8_E4M3' is not one fusebox reads"},
+      {file_of(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", f32x2),
+       "its data_offsets span 8 bytes, its dtype and shape need 12"},
+      {file_of(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", f32x2),
+       "a dimension is not a whole number"},
+      {file_of(R"({"w":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", f32x2),
+       "a dimension is not a whole number"},
+      {file_of(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})",
+               f32x2),
+       "its shape holds more bytes than any file"},
+      {file_of(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", f32x2),
+       "are not inside"},
+      {file_of(R"({"w":{"dtype":"F32","shape":[2]}})", f32x2), "needs a dtype (a string)"},
+      {file_of(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+               R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+               f32x2),
+       "the data of tensors 'a' and 'b' overlap"},
+      {file_of(R"({"__metadata__":{"step":3}})", ""), "__metadata__ 'step' is not a string"},
+      {file_of(R"({"m":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", "\x01\x02"),
+       "is BOOL and holds a byte other than 0 or 1"},
+      {file_of("[]", ""), "its header is not a JSON object"}};
+  for (const auto& [bytes, expected] : cases) {
+    const std::string e = error_of([&] { parse_safetensors(bytes, "bad.safetensors"); });
+    EXPECT_EQ(e.rfind("bad.safetensors: not ", 0), 0u) << e;
+    EXPECT_NE(e.find(expected), std::string::npos) << expected << "\n got: " << e;
+  }
+
+  // A file on disk cut short, and one that is not there.
+  ScratchDir dir("safetensors-bad");
+  const std::string whole = encode_safetensors({{"w", at::randn({64})}});
+  const std::string cut = dir.file("cut.safetensors");
+  std::ofstream(cut, std::ios::binary) << whole.substr(0, whole.size() - 3);
+  EXPECT_NE(error_of([&] { load_safetensors(cut); }).find("a truncated file?"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              load_safetensors(dir.file("none.safetensors"));
+            }).find("none.safetensors does not exist"),
+            std::string::npos);
+
+  // What the format cannot hold is refused when writing.
+  EXPECT_NE(error_of([&] {
+              encode_safetensors({{"c", at::zeros({2}, at::kComplexFloat)}});
+            }).find("which the format has no name for"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              encode_safetensors({{"a", at::zeros({1})}, {"a", at::zeros({1})}});
+            }).find("given twice"),
+            std::string::npos);
+}
+
+TEST(Safetensors, TellsItsFilesApart) {
+  EXPECT_TRUE(looks_like_safetensors(encode_safetensors({{"w", at::zeros({1})}})));
+  EXPECT_FALSE(looks_like_safetensors(std::string("PK\x03\x04", 4) + std::string(8, '\0')));
+  EXPECT_FALSE(looks_like_safetensors("FUSEBOX-CKPT"));
+  EXPECT_FALSE(looks_like_safetensors("{}"));
+}
