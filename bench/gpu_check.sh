@@ -212,6 +212,12 @@ for ckpt in off on; do
   tail -n 3 "$OUT_DIR/trainer_lm_checkpointing_$ckpt.log"
 done
 
+# Weights files with Python: torch.load (and safetensors, when installed) reads what --save-model
+# wrote; --init-weights reads what torch.save and safetensors' save_file wrote.
+PART_LOG="$OUT_DIR/weights_interop.log" part "weights files with python" 60 \
+  python3 bench/weights_interop.py "$BUILD/bin/trainer" "$OUT_DIR/weights_interop"
+tail -n 5 "$OUT_DIR/weights_interop.log"
+
 # ---- 5. Memory benchmark on the GPU: peak allocated and time per step, every mode ---------------
 PART_LOG="$OUT_DIR/memory_bench_cuda.log" part "memory_bench --quick --device cuda" 90 \
   "$BUILD/bin/memory_bench" --quick --device cuda --out "$OUT_DIR/memory_bench_cuda"

@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/safetensors.h"
 #include "trainer_test_util.h"
 
 namespace fusebox::trainer {
@@ -86,6 +88,35 @@ TEST_F(TrainerInitWeights, TheRunStartsFromTheFilesValues) {
     EXPECT_EQ(t.scalar_type(), at::kDouble) << name;
     EXPECT_TRUE(at::equal(t, weights.at(name).to(at::kDouble))) << name;
   }
+}
+
+// --save-model PATH.safetensors writes the same tensors in safetensors, and --init-weights reads
+// that format too (told by the file's first bytes, whatever its name).
+TEST_F(TrainerInitWeights, SafetensorsFilesAreWrittenAndRead) {
+  const std::string st = tmp.file("trained.safetensors");
+  Result r = run_trainer(join(mlp(tmp.file("again"), 4), {"--save-model", st}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::map<std::string, std::string> meta;
+  expect_same(weights, load_safetensors(st, &meta), "--save-model .safetensors");
+  EXPECT_EQ(meta.at("format"), "pt");
+
+  std::filesystem::copy_file(st, tmp.file("renamed.bin"));
+  for (const std::string& from : {st, tmp.file("renamed.bin")}) {
+    r = run_trainer(join(mlp(tmp.file("from-st"), 1), {"--init-weights", from, "--lr-scale", "*=0",
+                                                       "--save-model", tmp.file("back.pt")}));
+    ASSERT_EQ(r.code, 0) << r.err;
+    expect_same(weights, load_model_weights(tmp.file("back.pt")), from);
+  }
+
+  // A cut file is one line naming it, exit 2.
+  const std::string whole = encode_safetensors({{"head.bias", at::zeros({1})}});
+  const std::string cut = tmp.file("cut.safetensors");
+  std::ofstream(cut, std::ios::binary) << whole.substr(0, whole.size() - 2);
+  r = run_trainer(join(mlp(tmp.file("cut"), 1), {"--init-weights", cut}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err.rfind("trainer: error: --init-weights: " + cut + ": not ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find("(a truncated file?)"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
 // Fine-tuning from the saved file and from the checkpoint of the same step gives the same run, in
@@ -181,6 +212,12 @@ def forward(self, x):
   ck = load_checkpoint(tmp.file("params") + "/" + checkpoint_name(1));
   EXPECT_TRUE(at::equal(ck.model.at("w"), state.at("w")));
   EXPECT_TRUE(at::equal(ck.buffers.at("shift"), at::zeros({8})));
+
+  // Its --save-model in safetensors is the module's state_dict: parameters and buffers.
+  r = run_trainer(
+      join(args("st", tmp.file("state.pt")), {"--save-model", tmp.file("net.safetensors")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same(state, load_safetensors(tmp.file("net.safetensors")), "script .safetensors");
 }
 
 // Every file that does not fit the model: exit 2, one line naming the file and the tensor, and no

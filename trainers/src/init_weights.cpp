@@ -2,13 +2,14 @@
 
 #include <ATen/ATen.h>
 
-#include <cstring>
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <set>
 #include <vector>
 
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
 #include "launch.h"
 #include "model.h"
@@ -20,22 +21,29 @@ namespace {
 
 using Named = std::vector<std::pair<std::string, at::Tensor>>;
 
-bool is_checkpoint_file(const std::string& path) {
-  static constexpr char kMagic[] = "FUSEBOX-CKPT";  // checkpoint.cpp's file magic
-  char head[sizeof(kMagic) - 1] = {};
+// The file's first bytes (fewer if it is shorter).
+std::string head_of(const std::string& path) {
+  std::string head(16, '\0');
   std::ifstream in(path, std::ios::binary);
-  return in.read(head, sizeof(head)) && std::memcmp(head, kMagic, sizeof(head)) == 0;
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(std::max<std::streamsize>(in.gcount(), 0)));
+  return head;
 }
 
 // Every tensor the file holds, by name; `step` is set for a checkpoint.
 std::map<std::string, at::Tensor> read_saved(const std::string& path, int64_t* step) {
-  if (is_checkpoint_file(path)) {
+  static constexpr char kCheckpointMagic[] = "FUSEBOX-CKPT";  // checkpoint.cpp's file magic
+  const std::string head = head_of(path);
+  if (head.rfind(kCheckpointMagic, 0) == 0) {
     Checkpoint ckpt = load_checkpoint(path);  // its own reader: checks every length
     if (auto it = ckpt.counters.find("step"); it != ckpt.counters.end()) *step = it->second;
     std::map<std::string, at::Tensor> all = std::move(ckpt.model);
     all.insert(ckpt.buffers.begin(), ckpt.buffers.end());
     return all;
   }
+  // The safetensors reader checks every range itself.
+  if (looks_like_safetensors(head) || is_safetensors_path(path)) return load_safetensors(path);
+  // Anything else is read as torch's pickle format, whose reader may crash on a malformed file.
   const ReadCrashGuard guard(error_line(
       "--init-weights: " + path +
       " cannot be read: LibTorch's reader crashed on it (a malformed file); write it again with "
@@ -80,7 +88,8 @@ std::string load_initial_weights(const std::string& path, Model& model) {
     saved = read_saved(path, &step);
   } catch (const Error& e) {
     throw Error(std::string("--init-weights: ") + e.what() +
-                "; give a --save-model file, a torch.save'd state_dict or a fusebox checkpoint");
+                "; give a --save-model file, a .safetensors file, a torch.save'd state_dict or a "
+                "fusebox checkpoint");
   }
   const Named params = model.parameters(), buffers = model.buffers();
   std::set<std::string> known;

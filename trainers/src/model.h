@@ -56,7 +56,8 @@ class Model {
   virtual void set_training(bool on) = 0;
   /// One line: kind, sizes, parameter count.
   virtual std::string describe() = 0;
-  /// Writes the parameters to `path` (written to a temporary file, then renamed).
+  /// Writes the parameters to `path` (written to a temporary file, then renamed); a path ending
+  /// in .safetensors gets the safetensors format (see write_weights).
   virtual void save(const std::string& path) = 0;
 };
 
@@ -64,6 +65,14 @@ class Model {
 /// it into place; throws Error naming `path` with the cause's first line (the temporary is gone).
 void save_via_temporary(const std::string& path,
                         const std::function<void(const std::string&)>& write);
+
+/// True if `path` names a safetensors file (it ends in .safetensors).
+bool is_safetensors_path(const std::string& path);
+
+/// Writes named tensors atomically: safetensors for a .safetensors path, else a {name: tensor}
+/// dict in torch's pickle format (Python's torch.load reads either kind's library).
+void write_weights(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                   const std::string& path);
 
 /// Builds a built-in model (initialised from the current global seed).
 std::unique_ptr<Model> make_builtin_model(const ModelOptions& options);

@@ -11,6 +11,7 @@
 #include "fusebox/core/autocast.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/messages.h"
+#include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
 #include "model.h"
 
@@ -309,10 +310,7 @@ class BuiltinModel : public Model {
                   static_cast<long long>(count_elements(parameters())), parameters().size());
     return buf;
   }
-  void save(const std::string& path) override {
-    // A {name: tensor} dict in torch's pickle format, which Python's torch.load reads.
-    fusebox::save_model_weights(parameters(), path);
-  }
+  void save(const std::string& path) override { write_weights(parameters(), path); }
 
  private:
   M m_;
@@ -337,6 +335,18 @@ at::Tensor BuiltinModel<Denoiser>::loss(const Batch& b) {
 }
 
 }  // namespace
+
+bool is_safetensors_path(const std::string& path) {
+  return std::filesystem::path(path).extension() == ".safetensors";
+}
+
+void write_weights(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                   const std::string& path) {
+  if (is_safetensors_path(path))
+    fusebox::save_safetensors(named, path);
+  else
+    fusebox::save_model_weights(named, path);
+}
 
 void save_via_temporary(const std::string& path,
                         const std::function<void(const std::string&)>& write) {

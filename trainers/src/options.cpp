@@ -239,8 +239,8 @@ std::vector<OptionSpec> build_specs() {
           "FILE"));
   add(opt("init-weights", Kind::Text, {},
           "start from the parameters in this file instead of the model's initialisation: a "
-          "--save-model file, a torch.save'd state_dict or a checkpoint (a resumed checkpoint "
-          "wins; empty: none)",
+          "--save-model file, a .safetensors file, a torch.save'd state_dict or a checkpoint (a "
+          "resumed checkpoint wins; empty: none)",
           "FILE"));
 
   section = "Data";
@@ -290,7 +290,9 @@ std::vector<OptionSpec> build_specs() {
           "--output-dir); auto: latest if there is one, else start afresh, and exit 0 if that "
           "run is finished (the same command for every start of a job); empty: start afresh",
           "PATH|DIR|latest|auto"));
-  add(opt("save-model", Kind::Text, {}, "write the trained parameters to this file (empty: do not)",
+  add(opt("save-model", Kind::Text, {},
+          "write the trained parameters to this file (PATH.safetensors: in safetensors; empty: do "
+          "not)",
           "PATH"));
   choices(add(opt("save-model-at", Kind::Choice, std::string("last"),
                   "which parameters --save-model holds: those after the last step, or those of "

@@ -76,6 +76,13 @@ class ScriptModel : public Model {
   }
 
   void save(const std::string& path) override {
+    // .safetensors: the module's state_dict (parameters and buffers), for loaders of that format.
+    if (is_safetensors_path(path)) {
+      auto named = parameters();
+      for (auto& b : buffers()) named.push_back(std::move(b));
+      write_weights(named, path);
+      return;
+    }
     save_via_temporary(path, [&](const std::string& tmp) { m_.save(tmp); });
   }
 
