@@ -31,6 +31,12 @@ constexpr DtypeName kDtypes[] = {{"F64", at::kDouble},    {"F32", at::kFloat}, {
                                  {"I16", at::kShort},     {"I8", at::kChar},   {"U8", at::kByte},
                                  {"BOOL", at::kBool}};
 
+const DtypeName* name_of(at::ScalarType type) {
+  for (const DtypeName& d : kDtypes)
+    if (d.type == type) return &d;
+  return nullptr;
+}
+
 // The header's JSON, parsed by a small reader of our own: the header is a flat object of objects,
 // strings and integer arrays, and a reader this size can be fuzzed whole (tests/fuzz).
 struct Json {
@@ -379,9 +385,8 @@ std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tens
     if (name == "__metadata__" || !names.insert(name).second)
       throw Error("cannot write safetensors: the tensor name '" + name + "' is " +
                   (name == "__metadata__" ? "the format's own" : "given twice"));
-    const auto* known = std::find_if(std::begin(kDtypes), std::end(kDtypes),
-                                     [&](const DtypeName& d) { return t.scalar_type() == d.type; });
-    if (known == std::end(kDtypes))
+    const DtypeName* known = name_of(t.scalar_type());
+    if (!known)
       throw Error("cannot write safetensors: tensor '" + name + "' is " +
                   c10::toString(t.scalar_type()) + ", which the format has no name for");
     sorted.emplace_back(name, t.detach().to(at::kCPU).contiguous());
@@ -403,8 +408,7 @@ std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tens
   header += '}';
   uint64_t offset = 0;
   for (const auto& [name, t] : sorted) {
-    const auto* known = std::find_if(std::begin(kDtypes), std::end(kDtypes),
-                                     [&](const DtypeName& d) { return t.scalar_type() == d.type; });
+    const DtypeName* known = name_of(t.scalar_type());
     header += ',';
     append_json_string(header, name);
     header += ":{\"dtype\":\"" + std::string(known->name) + "\",\"shape\":[";

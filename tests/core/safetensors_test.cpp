@@ -166,7 +166,8 @@ TEST(Safetensors, EveryBadFileIsOneErrorNamingTheFault) {
       {file_of(R"({"m":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", "\x01\x02"),
        "is BOOL and holds a byte other than 0 or 1"},
       {file_of("[]", ""), "its header is not a JSON object"}};
-  for (const auto& [bytes, expected] : cases) {
+  for (const auto& [file, expected] : cases) {
+    const std::string& bytes = file;  // a lambda may not capture a structured binding in C++17
     const std::string e = error_of([&] { parse_safetensors(bytes, "bad.safetensors"); });
     EXPECT_EQ(e.rfind("bad.safetensors: not ", 0), 0u) << e;
     EXPECT_NE(e.find(expected), std::string::npos) << expected << "\n got: " << e;

@@ -1,5 +1,6 @@
 // Bad input through the real trainer program: each case exits non-zero (never by a signal), prints
 // exactly one line on stderr naming the culprit, and leaves nothing in the output folder.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -10,6 +11,7 @@
 
 #include <caffe2/serialize/inline_container.h>
 
+#include "fusebox/core/safetensors.h"
 #include "trainer_test_util.h"
 
 namespace fs = std::filesystem;
@@ -80,6 +82,10 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
                   tmp.str())
           .code,
       0);
+  fusebox::save_safetensors({{"w", at::zeros({2})}}, tmp.file("weights.safetensors"));
+  // A safetensors file whose header claims data past its end.
+  std::string cut = fusebox::encode_safetensors({{"w", at::zeros({64})}});
+  std::ofstream(tmp.file("cut.safetensors"), std::ios::binary) << cut.substr(0, cut.size() - 8);
 
   const std::vector<BadCase> cases{
       {"malformed toml", "--config {dir}/malformed.toml", "malformed.toml:", 2},
@@ -217,7 +223,19 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"dataset is a pipe", "--optimizer sgd --model transformer --dataset text:{dir}/fifo",
        "is not a regular file", 2},
       {"weights file as model script", "--optimizer sgd --model-script {dir}/weights.pt",
-       "cannot be loaded: it holds model weights (a --save-model or torch.save file)", 2},
+       "cannot be loaded: it holds model weights (a --save-model, torch.save or safetensors "
+       "file)",
+       2},
+      {"safetensors file as model script",
+       "--optimizer sgd --model-script {dir}/weights.safetensors",
+       "cannot be loaded: it holds model weights (a --save-model, torch.save or safetensors "
+       "file)",
+       2},
+      {"cut safetensors as initial weights", "--optimizer sgd --init-weights {dir}/cut.safetensors",
+       "data_offsets [0, 256] are not inside the 248 bytes of data (a truncated file?)", 2},
+      {"foreign weights as initial weights",
+       "--optimizer sgd --init-weights {dir}/weights.safetensors",
+       "weights.safetensors holds 'w', which this model has no parameter or buffer of", 2},
   };
   int i = 0;
   for (const BadCase& c : cases) {

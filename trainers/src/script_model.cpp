@@ -2,10 +2,12 @@
 #include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/script.h>
 
+#include <fstream>
 #include <sstream>
 
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/messages.h"
+#include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
 #include "launch.h"
 #include "model.h"
@@ -100,16 +102,19 @@ torch::jit::Module read_script(const std::string& path, c10::Device device) {
   try {
     return torch::jit::load(path, device);
   } catch (const std::exception& e) {
-    bool weights = false;  // a --save-model (or torch.save) dict of tensors
+    bool weights = false;  // a --save-model (or torch.save, or safetensors) dict of tensors
     try {
-      weights = !load_model_weights(path).empty();
+      std::string head(16, '\0');
+      std::ifstream(path, std::ios::binary).read(head.data(), 16);
+      weights = looks_like_safetensors(head) || !load_model_weights(path).empty();
     } catch (const std::exception&) {
     }
-    throw Error("model script " + path + " cannot be loaded: " +
-                (weights ? std::string("it holds model weights (a --save-model or torch.save "
-                                       "file), not a TorchScript module whose forward(batch) "
-                                       "returns the loss")
-                         : first_line(e.what())));
+    throw Error(
+        "model script " + path + " cannot be loaded: " +
+        (weights ? std::string("it holds model weights (a --save-model, torch.save or "
+                               "safetensors file), not a TorchScript module whose forward(batch) "
+                               "returns the loss")
+                 : first_line(e.what())));
   }
 }
 
