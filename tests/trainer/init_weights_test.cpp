@@ -119,6 +119,32 @@ TEST_F(TrainerInitWeights, SafetensorsFilesAreWrittenAndRead) {
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
+// --save-precision converts what --save-model writes (both formats); integer tensors and the
+// checkpoints keep their own types; the file starts a run again.
+TEST_F(TrainerInitWeights, SavePrecisionConvertsTheSavedFile) {
+  for (const std::string& file : {tmp.file("half.safetensors"), tmp.file("half.pt")}) {
+    const Result r = run_trainer(
+        join(mlp(tmp.file("bf16"), 4), {"--save-model", file, "--save-precision", "bf16"}));
+    ASSERT_EQ(r.code, 0) << r.err;
+    const Weights saved = file.back() == 's' ? load_safetensors(file) : load_model_weights(file);
+    ASSERT_EQ(saved.size(), weights.size());
+    for (const auto& [name, t] : saved) {
+      EXPECT_EQ(t.scalar_type(), at::kBFloat16) << name;
+      EXPECT_TRUE(at::equal(t, weights.at(name).to(at::kBFloat16))) << name;
+    }
+    const Checkpoint last = load_checkpoint(tmp.file("bf16") + "/" + checkpoint_name(4));
+    EXPECT_EQ(last.model.at("head.bias").scalar_type(), at::kFloat) << "training is unchanged";
+    const Result again = run_trainer(join(mlp(tmp.file("again"), 1), {"--init-weights", file}));
+    EXPECT_EQ(again.code, 0) << again.err;
+  }
+  Result r = run_trainer(join(mlp(tmp.file("none"), 1), {"--save-precision", "fp16"}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--save-precision: sets what --save-model writes, and --save-model is "
+                       "unset"),
+            std::string::npos)
+      << r.err;
+}
+
 // Fine-tuning from the saved file and from the checkpoint of the same step gives the same run, in
 // the normal, fused and grouped modes alike; a frozen parameter keeps the file's value. A fresh
 // run (no --init-weights) ends elsewhere.

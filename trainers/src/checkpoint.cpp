@@ -150,7 +150,8 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
                                           "keep_last_n_checkpoints",
                                           "resume",
                                           "save_model",
-                                          "save_model_at"};
+                                          "save_model_at",
+                                          "save_precision"};
   const auto before = written_settings(it->second), now = written_settings(c.resolved_config);
   std::string out;
   int shown = 0, more = 0;

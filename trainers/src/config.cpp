@@ -285,6 +285,17 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
     throw Error(r.label("save-model-at") +
                 ": best chooses what --save-model holds, and --save-model is unset; give "
                 "--save-model PATH");
+  if (const std::string p = r.get<std::string>("save-precision"); p != "same") {
+    c.save_precision = p == "float32" ? c10::kFloat : p == "fp16" ? c10::kHalf : c10::kBFloat16;
+    if (!c.save_model)
+      throw Error(r.label("save-precision") +
+                  ": sets what --save-model writes, and --save-model is unset; give --save-model "
+                  "PATH");
+    if (c.model_script && fs::path(*c.save_model).extension() != ".safetensors")
+      throw Error(r.label("save-precision") + ": a --model-script module is saved as itself " +
+                  "(TorchScript), in the types it trained in; give --save-model a .safetensors " +
+                  "path to save its weights as " + p);
+  }
   if (c.save_best_eval && c.eval_every == 0)
     throw Error(r.label("save-model-at") +
                 ": best keeps the parameters of the best evaluation, and there are none; "

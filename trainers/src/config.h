@@ -1,6 +1,8 @@
 // The resolved, typed configuration of one training run, and the checks that need no plugin.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -75,6 +77,8 @@ struct TrainConfig {
   int64_t log_every = 0, save_every_n_steps = 0, keep_last_n_checkpoints = 0;
   std::optional<std::string> resume, save_model;
   bool save_best_eval = false;  ///< --save-model-at best
+  /// --save-precision: the float type --save-model writes (unset: the one trained in).
+  std::optional<c10::ScalarType> save_precision;
   std::string resolved_config;  ///< this run's settings as TOML (saved in checkpoints)
 
   /// "normal", "fused" or "groups".

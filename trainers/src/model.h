@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,8 +58,9 @@ class Model {
   /// One line: kind, sizes, parameter count.
   virtual std::string describe() = 0;
   /// Writes the parameters to `path` (written to a temporary file, then renamed); a path ending
-  /// in .safetensors gets the safetensors format (see write_weights).
-  virtual void save(const std::string& path) = 0;
+  /// in .safetensors gets the safetensors format (see write_weights). `as`: the float type the
+  /// file holds (unset: the parameters' own); a TorchScript module saved as itself ignores it.
+  virtual void save(const std::string& path, std::optional<c10::ScalarType> as = std::nullopt) = 0;
 };
 
 /// Writes `path` through a temporary file beside it (`write` fills the temporary), then renames
@@ -70,9 +72,10 @@ void save_via_temporary(const std::string& path,
 bool is_safetensors_path(const std::string& path);
 
 /// Writes named tensors atomically: safetensors for a .safetensors path, else a {name: tensor}
-/// dict in torch's pickle format (Python's torch.load reads either kind's library).
+/// dict in torch's pickle format (Python's torch.load reads either kind's library). With `as`,
+/// floating tensors are written converted to that type.
 void write_weights(const std::vector<std::pair<std::string, at::Tensor>>& named,
-                   const std::string& path);
+                   const std::string& path, std::optional<c10::ScalarType> as = std::nullopt);
 
 /// Builds a built-in model (initialised from the current global seed).
 std::unique_ptr<Model> make_builtin_model(const ModelOptions& options);

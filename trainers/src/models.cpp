@@ -310,7 +310,9 @@ class BuiltinModel : public Model {
                   static_cast<long long>(count_elements(parameters())), parameters().size());
     return buf;
   }
-  void save(const std::string& path) override { write_weights(parameters(), path); }
+  void save(const std::string& path, std::optional<c10::ScalarType> as) override {
+    write_weights(parameters(), path, as);
+  }
 
  private:
   M m_;
@@ -341,11 +343,15 @@ bool is_safetensors_path(const std::string& path) {
 }
 
 void write_weights(const std::vector<std::pair<std::string, at::Tensor>>& named,
-                   const std::string& path) {
+                   const std::string& path, std::optional<c10::ScalarType> as) {
+  std::vector<std::pair<std::string, at::Tensor>> out = named;
+  if (as)
+    for (auto& [name, t] : out)
+      if (t.is_floating_point()) t = t.detach().to(*as);
   if (is_safetensors_path(path))
-    fusebox::save_safetensors(named, path);
+    fusebox::save_safetensors(out, path);
   else
-    fusebox::save_model_weights(named, path);
+    fusebox::save_model_weights(out, path);
 }
 
 void save_via_temporary(const std::string& path,

@@ -300,6 +300,11 @@ std::vector<OptionSpec> build_specs() {
                   "--eval-every)",
                   "last|best")),
           {"last", "best"});
+  choices(add(opt("save-precision", Kind::Choice, std::string("same"),
+                  "the float type of --save-model's tensors: those the run trained in (same), or "
+                  "converted (integer tensors stay as they are)",
+                  "same|float32|fp16|bf16")),
+          {"same", "float32", "fp16", "bf16"});
   return v;
 }
 

@@ -101,14 +101,14 @@ double mean_over_ranks(double value, const Distributed& dist, bool& stop) {
 
 std::string plugin_file(const LoadedPlugin& p) { return p.info().path.filename().string(); }
 
-// --save-model's file: the model's parameters, written atomically. A folder below --output-dir
-// may not exist yet (the planning checked it can be made).
-void write_model(Model& model, const std::string& path) {
+// --save-model's file: the model's parameters (in --save-precision), written atomically. A folder
+// below --output-dir may not exist yet (the planning checked it can be made).
+void write_model(Model& model, const std::string& path, std::optional<c10::ScalarType> as) {
   const std::filesystem::path folder = std::filesystem::path(path).parent_path();
   std::error_code ec;
   if (!folder.empty() && !std::filesystem::create_directories(folder, ec) && ec)
     throw Error("cannot create the folder " + folder.string() + " (" + ec.message() + ")");
-  model.save(path);
+  model.save(path, as);
 }
 
 // The evaluation of --eval-every: the mean loss of the held-out batches (each rank its share, as
@@ -866,7 +866,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
         summary.eval_loss = m.eval_loss;
         if (std::isfinite(*m.eval_loss) && (!best_eval || *m.eval_loss < best_eval->loss)) {
           best_eval = BestEval{*m.eval_loss, step};
-          if (c.save_best_eval && dist.leader()) write_model(*model, *c.save_model);
+          if (c.save_best_eval && dist.leader())
+            write_model(*model, *c.save_model, c.save_precision);
         } else if (best_eval) {
           ++best_eval->evals_since;
         }
@@ -951,7 +952,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     try {
       std::optional<ParameterEma::Swap> averaged;  // --ema-decay: the average is the result
       if (ema) averaged.emplace(*ema);
-      write_model(*model, *c.save_model);
+      write_model(*model, *c.save_model, c.save_precision);
     } catch (const std::exception& e) {
       throw TrainingFailed(failed_in + first_line(e.what()) +
                            (c.output_dir.empty()

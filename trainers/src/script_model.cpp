@@ -77,12 +77,12 @@ class ScriptModel : public Model {
            std::to_string(params.size()) + " tensors";
   }
 
-  void save(const std::string& path) override {
+  void save(const std::string& path, std::optional<c10::ScalarType> as) override {
     // .safetensors: the module's state_dict (parameters and buffers), for loaders of that format.
     if (is_safetensors_path(path)) {
       auto named = parameters();
       for (auto& b : buffers()) named.push_back(std::move(b));
-      write_weights(named, path);
+      write_weights(named, path, as);
       return;
     }
     save_via_temporary(path, [&](const std::string& tmp) { m_.save(tmp); });
