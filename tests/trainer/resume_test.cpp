@@ -215,26 +215,36 @@ TEST(TrainerResume, MetricsFilesKeepTheHistoryBeforeTheResumePoint) {
   }
 }
 
-// Resumed with other CSV columns (here two optimizer groups instead of one), the earlier rows
-// cannot join this run's metrics.csv: a warning says so, and metrics.jsonl still has every step.
-TEST(TrainerResume, MetricsCsvWithOtherColumnsIsNamedInAWarning) {
+// metrics.csv has one lr column per parameter group in every mode, so a run resumed with
+// optimizer groups continues it; resumed with other columns (here a second parameter group), the
+// earlier rows cannot join this run's metrics.csv: a warning says so, and metrics.jsonl still has
+// every step.
+TEST(TrainerResume, MetricsCsvGoesOnInAnotherModeAndOtherColumnsAreNamedInAWarning) {
   TempDir tmp;
   const std::string a = tmp.file("a");
   auto r = run_trainer(with(base_args(a, "sgd", 3), {"--save-every-n-steps", "3"}));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.err.find("warning"), std::string::npos) << r.err;
+  const std::string header = read_text(a + "/metrics.csv").substr(0, 40);
   r = run_trainer(
       with(base_args(a, "sgd", 5), {"--resume", "latest", "--fused-optimizer-groups", "2"}));
   ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err.find("other columns"), std::string::npos) << r.err;
+  EXPECT_EQ(count_lines(read_text(a + "/metrics.csv")), 1 + 5);
+  EXPECT_EQ(read_text(a + "/metrics.csv").substr(0, 40), header);
+
+  r = run_trainer(with(base_args(a, "sgd", 7), {"--resume", "latest", "--lr-scale", "pos=0.5"}));
+  ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.err.find("trainer: warning: --resume: " + a +
-                       "/metrics.csv has other columns than this run's"),
+                       "/metrics.csv has other columns than this run's (other parameter groups"),
             std::string::npos)
       << r.err;
-  EXPECT_NE(r.err.find("this run's metrics.csv starts at step 4; metrics.jsonl keeps every step"),
+  EXPECT_NE(r.err.find("this run's metrics.csv starts at step 6; metrics.jsonl keeps every step"),
             std::string::npos)
       << r.err;
-  EXPECT_EQ(count_lines(read_text(a + "/metrics.jsonl")), 5);
+  EXPECT_EQ(count_lines(read_text(a + "/metrics.jsonl")), 7);
   EXPECT_EQ(count_lines(read_text(a + "/metrics.csv")), 1 + 2);
+  EXPECT_NE(read_text(a + "/metrics.csv").find(",lr_0,lr_1,"), std::string::npos);
 }
 
 // A script model whose forward updates a buffer (as BatchNorm's running statistics do): the

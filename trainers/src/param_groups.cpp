@@ -138,4 +138,25 @@ GroupedParams make_param_groups(const std::vector<std::pair<std::string, at::Ten
   return out;
 }
 
+std::vector<std::pair<size_t, size_t>> lr_sources(
+    const std::vector<ParamGroup>& groups,
+    const std::vector<std::shared_ptr<Optimizer>>& optimizers) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (const ParamGroup& group : groups) {
+    if (group.params.empty()) throw Error("internal: an empty parameter group");
+    const at::Tensor& first = group.params.front();
+    bool found = false;
+    for (size_t i = 0; i < optimizers.size() && !found; ++i)
+      for (size_t j = 0; j < optimizers[i]->num_groups() && !found; ++j)
+        for (const at::Tensor& p : optimizers[i]->group(j).params)
+          if (p.is_same(first)) {
+            out.emplace_back(i, j);
+            found = true;
+            break;
+          }
+    if (!found) throw Error("internal: a parameter group is held by no optimizer");
+  }
+  return out;
+}
+
 }  // namespace fusebox::trainer

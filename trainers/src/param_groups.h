@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -56,5 +57,13 @@ struct GroupedParams {
 GroupedParams make_param_groups(const std::vector<std::pair<std::string, at::Tensor>>& params,
                                 const GroupRules& rules, std::optional<double> base_lr,
                                 std::optional<double> base_weight_decay);
+
+/// Where each parameter group's lr is read among a step mode's optimizers: the (optimizer, group)
+/// holding the parameter group's first tensor. A grouped run splits a parameter group among
+/// several optimizers whose parts share its lr, so metrics read one lr per parameter group and
+/// have the same columns in every mode. Throws Error if a group's first tensor is in none.
+std::vector<std::pair<size_t, size_t>> lr_sources(
+    const std::vector<ParamGroup>& groups,
+    const std::vector<std::shared_ptr<Optimizer>>& optimizers);
 
 }  // namespace fusebox::trainer

@@ -701,7 +701,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   }
   // A resumed run's files continue the history of the run its checkpoint came from.
   const bool scaled = so.loss_scaler != nullptr;
-  const MetricsColumns columns{scheduler.lrs().size(), scaled, c.eval_every > 0};
+  // One lr column per parameter group, whatever the step mode made of them.
+  const std::vector<std::pair<size_t, size_t>> lr_at = lr_sources(groups, mode->optimizers());
+  const MetricsColumns columns{lr_at.size(), scaled, c.eval_every > 0};
   MetricsHistory history;
   if (resumed && dist.leader()) {
     const std::string folder = fs::path(resumed_from).parent_path().string();
@@ -717,7 +719,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
               << std::flush;
     if (history.csv_columns_differ && !c.output_dir.empty())
       con.err << ("trainer: warning: --resume: " + (fs::path(folder) / "metrics.csv").string() +
-                  " has other columns than this run's (another number of optimizer groups, or a "
+                  " has other columns than this run's (other parameter groups, or a "
                   "loss scale or evaluation switched on or off), so this run's metrics.csv starts "
                   "at step " +
                   std::to_string(first_step + 1) + "; metrics.jsonl keeps every step\n")
@@ -841,8 +843,10 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       StepMetrics m;
       m.step = step;
       m.loss = loss_sum;
-      m.lrs = scheduler.lrs();
-      m.effective_lrs = scheduler.effective_lrs();
+      for (const auto& [i, j] : lr_at) {
+        m.lrs.push_back(mode->optimizers()[i]->lr(j));
+        m.effective_lrs.push_back(mode->optimizers()[i]->effective_lr(j));
+      }
       m.grad_norm = stats.grad_norm;
       m.loss_scale = loss_scale;
       // A dropped update does not use up the schedule (as accelerate does after a skipped step).
