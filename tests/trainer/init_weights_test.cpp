@@ -201,6 +201,20 @@ TEST_F(TrainerInitWeights, AResumedCheckpointWins) {
   EXPECT_EQ(r.out.find("initial weights:"), std::string::npos) << r.out;
   expect_same(load_model_weights(tmp.file("whole.pt")), load_model_weights(tmp.file("resumed.pt")),
               "resumed");
+
+  // --resume auto: the first start (no checkpoint yet) takes the file, a restart the checkpoint.
+  const std::string job = tmp.file("job");
+  const std::vector<std::string> again = {
+      "--init-weights",       pretrained, "--resume",     "auto",
+      "--save-every-n-steps", "2",        "--save-model", tmp.file("job.pt")};
+  r = run_trainer(join(mlp(job, 2), again));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("initial weights: " + pretrained), std::string::npos) << r.out;
+  r = run_trainer(join(mlp(job, 4), again));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("--init-weights is not used"), std::string::npos) << r.out;
+  expect_same(load_model_weights(tmp.file("whole.pt")), load_model_weights(tmp.file("job.pt")),
+              "--resume auto");
 }
 
 // A script model's buffers come from a file that has them (a Python state_dict); a file with the
