@@ -8,6 +8,7 @@
 
 #include <fstream>
 
+#include "../error_of.h"
 #include "../scratch_dir.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/hyperparam_validation.h"
@@ -18,20 +19,12 @@
 #include "tiny_lm.h"
 
 using namespace fusebox;
+using fusebox::testing::error_of;
 using fusebox::testing::ScratchDir;
 using fusebox::testing::TinyLm;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 std::shared_ptr<LoadedPlugin> plugin_named(const std::string& file) {
   static PluginRegistry reg(fusebox::testing::only({FUSEBOX_PLUGIN_DIR}));

@@ -4,6 +4,7 @@
 
 #include <fstream>
 
+#include "../error_of.h"
 #include "../scratch_dir.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
@@ -13,22 +14,11 @@ namespace fs = std::filesystem;
 using fusebox::Error;
 using fusebox::LoaderOptions;
 using fusebox::PluginRegistry;
+using fusebox::testing::error_of;
 using fusebox::testing::only;
 using fusebox::testing::ScratchDir;
 
 namespace {
-
-// Runs `f`, expects fusebox::Error, returns its message.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected fusebox::Error";
-  return "";
-}
 
 // The loader refuses a plugin in a folder that others may write to; a umask of 002 would make one.
 const fs::path& private_dir(const ScratchDir& scratch) {

@@ -9,22 +9,15 @@
 #include <fstream>
 #include <functional>
 
+#include "../error_of.h"
 #include "../scratch_dir.h"
 #include "fusebox/error.h"
 
 using namespace fusebox;
+using fusebox::testing::error_of;
 using fusebox::testing::ScratchDir;
 
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 uint64_t le64(const std::string& b) {
   uint64_t v = 0;

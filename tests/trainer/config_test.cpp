@@ -1,6 +1,7 @@
 // Options, TOML configs, precedence, errors and --print-config.
 #include <gtest/gtest.h>
 
+#include "../error_of.h"
 #include "config.h"
 #include "fusebox/error.h"
 #include "options.h"
@@ -10,6 +11,7 @@
 namespace fusebox::trainer {
 namespace {
 
+using fusebox::testing::error_of;
 using testing::count_lines;
 using testing::join;
 using testing::plugin_args;
@@ -23,17 +25,6 @@ TrainConfig resolve(const std::string& toml, const std::vector<std::string>& cli
   l.overlay(f.base);
   l.overlay(parse_command_line(cli).layer);
   return resolve_config(l, "");
-}
-
-// The message of the Error that `f` throws ("" when none).
-template <class F>
-std::string error_of(F f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(TrainerConfig, CommandLineOverridesConfigWhichOverridesDefaults) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../error_of.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/error.h"
 #include "trainer_test_util.h"
@@ -18,6 +19,7 @@
 namespace fusebox::trainer {
 namespace {
 
+using fusebox::testing::error_of;
 using testing::join;
 using testing::losses;
 using testing::read_text;
@@ -31,15 +33,6 @@ Named tensors(const std::vector<std::string>& names) {
   Named out;
   for (const std::string& n : names) out.emplace_back(n, at::zeros({2}));
   return out;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 // A small MLP run (names layers.0.weight, layers.0.bias, ..., head.weight, head.bias).
