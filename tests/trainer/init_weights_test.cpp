@@ -239,7 +239,7 @@ def forward(self, x):
   };
   Result r = run_trainer(args("both", tmp.file("state.pt")));
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.out.find(": 1 parameter tensors, 1 buffers"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(": 1 parameter tensor, 1 buffer\n"), std::string::npos) << r.out;
   Checkpoint ck = load_checkpoint(tmp.file("both") + "/" + checkpoint_name(1));
   EXPECT_TRUE(at::equal(ck.model.at("w"), state.at("w")));
   EXPECT_TRUE(at::equal(ck.buffers.at("shift"), state.at("shift")));
@@ -247,7 +247,9 @@ def forward(self, x):
   save({{"w", state.at("w")}}, tmp.file("params.pt"));
   r = run_trainer(args("params", tmp.file("params.pt")));
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.out.find("1 buffers keep their initial values (not in the file)"), std::string::npos)
+  EXPECT_NE(r.out.find(
+                ": 1 parameter tensor; buffers as the model holds them (not in the file): 'shift'"),
+            std::string::npos)
       << r.out;
   ck = load_checkpoint(tmp.file("params") + "/" + checkpoint_name(1));
   EXPECT_TRUE(at::equal(ck.model.at("w"), state.at("w")));
@@ -258,6 +260,53 @@ def forward(self, x):
       join(args("st", tmp.file("state.pt")), {"--save-model", tmp.file("net.safetensors")}));
   ASSERT_EQ(r.code, 0) << r.err;
   expect_same(state, load_safetensors(tmp.file("net.safetensors")), "script .safetensors");
+}
+
+// --init-weights-strict=false: the parameters the file lacks (a new head) keep the model's own
+// initialisation, tensors the model lacks are left unused, and the header names both; a file with
+// none of the model's parameters is still refused.
+TEST_F(TrainerInitWeights, NotStrictKeepsTheInitialisationOfWhatTheFileLacks) {
+  Result r = run_trainer(
+      join(mlp(tmp.file("fresh"), 1), {"--lr-scale", "*=0", "--save-model", tmp.file("fresh.pt")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Weights fresh = load_model_weights(tmp.file("fresh.pt"));
+  Weights backbone = weights;
+  backbone.erase("head.weight");
+  backbone.erase("head.bias");
+  backbone["extra.weight"] = at::ones({3});
+  save(backbone, tmp.file("backbone.pt"));
+
+  r = run_trainer(join(mlp(tmp.file("strict"), 1), {"--init-weights", tmp.file("backbone.pt")}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("holds 'extra.weight', which this model has no parameter or buffer of"),
+            std::string::npos)
+      << r.err;
+
+  r = run_trainer(join(mlp(tmp.file("loose"), 1),
+                       {"--init-weights", tmp.file("backbone.pt"), "--init-weights-strict=false",
+                        "--lr-scale", "*=0", "--save-model", tmp.file("loose.pt")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find(": 4 parameter tensors; initialised by the model (not in the file): "
+                       "'head.weight', 'head.bias'; left unused (not in the model): "
+                       "'extra.weight'"),
+            std::string::npos)
+      << r.out;
+  const Weights loose = load_model_weights(tmp.file("loose.pt"));
+  for (const auto& [name, t] : loose)
+    EXPECT_TRUE(at::equal(t, (name.rfind("head.", 0) == 0 ? fresh : weights).at(name))) << name;
+
+  save({{"other.weight", at::ones({2})}}, tmp.file("other.pt"));
+  r = run_trainer(join(mlp(tmp.file("other"), 1),
+                       {"--init-weights", tmp.file("other.pt"), "--init-weights-strict=false"}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("which this model has no parameter or buffer of"), std::string::npos)
+      << r.err;
+  r = run_trainer(join(mlp(tmp.file("unset"), 1), {"--init-weights-strict=false"}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--init-weights-strict: says how --init-weights is read, and "
+                       "--init-weights is unset"),
+            std::string::npos)
+      << r.err;
 }
 
 // Every file that does not fit the model: exit 2, one line naming the file and the tensor, and no
@@ -275,7 +324,11 @@ TEST_F(TrainerInitWeights, AFileThatDoesNotFitIsRefusedInOneLine) {
   Weights ints = weights;
   ints["head.bias"] = ints["head.bias"].to(at::kLong);
   const std::vector<std::pair<Weights, std::string>> cases = {
-      {missing, "has no 'head.bias' of this model's parameters"},
+      {missing,
+       "has no 'head.bias' of this model's parameters: is it the weights of another "
+       "model or other sizes? (--list-params shows this model's names; "
+       "--init-weights-strict=false keeps the initialisation of parameters the file "
+       "lacks)"},
       {extra, "holds 'head2.weight', which this model has no parameter or buffer of"},
       {prefixed, "the names carry a wrapper's prefix: save the inner module's state_dict"},
       {nan, "parameter 'layers.1.weight' holds values that are not finite"},

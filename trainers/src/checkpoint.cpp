@@ -144,6 +144,7 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
                                           "shard_optimizer_state",
                                           "model_script",
                                           "init_weights",
+                                          "init_weights_strict",
                                           "output_dir",
                                           "log_every",
                                           "save_every_n_steps",

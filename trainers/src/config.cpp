@@ -208,6 +208,11 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   if (c.model_script) check_readable_file(r.label("model-script"), *c.model_script, "file");
   c.init_weights = r.maybe_path("init-weights");
   if (c.init_weights) check_readable_file(r.label("init-weights"), *c.init_weights, "file");
+  c.init_weights_strict = r.get<bool>("init-weights-strict");
+  if (!c.init_weights_strict && !c.init_weights)
+    throw Error(r.label("init-weights-strict") +
+                ": says how --init-weights is read, and --init-weights is unset; give "
+                "--init-weights FILE");
   if (!c.model_script) {
     if (c.model == "transformer" && c.model_width % c.model_heads != 0)
       throw Error(r.label("model-heads") + ": " + std::to_string(c.model_heads) +

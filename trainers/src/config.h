@@ -63,9 +63,10 @@ struct TrainConfig {
   bool gradient_checkpointing = false;
   std::optional<std::string> model_script;
   std::optional<std::string> init_weights;  ///< --init-weights: the parameters to start from
-  std::string dataset;                      ///< "synthetic", "none" or "text"
-  std::string dataset_path;                 ///< for "text"
-  int64_t eval_every = 0;                   ///< 0: no evaluation
+  bool init_weights_strict = true;
+  std::string dataset;       ///< "synthetic", "none" or "text"
+  std::string dataset_path;  ///< for "text"
+  int64_t eval_every = 0;    ///< 0: no evaluation
   int64_t eval_batches = 4;
   std::string eval_dataset, eval_dataset_path;  ///< as dataset and dataset_path
   int64_t early_stop_patience = 0;              ///< 0: never stop early

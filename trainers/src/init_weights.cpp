@@ -81,7 +81,7 @@ void check_one(const std::string& path, const std::string& what, const std::stri
 
 }  // namespace
 
-std::string load_initial_weights(const std::string& path, Model& model) {
+std::string load_initial_weights(const std::string& path, Model& model, bool strict) {
   int64_t step = -1;
   std::map<std::string, at::Tensor> saved;
   try {
@@ -101,7 +101,9 @@ std::string load_initial_weights(const std::string& path, Model& model) {
     if (!known.count(name)) unknown.push_back(name);
   for (const auto& [name, t] : params)
     if (!saved.count(name)) missing.push_back(name);
-  if (!unknown.empty()) {
+  // A file that shares no parameter with the model is the wrong file, strict or not.
+  const bool disjoint = missing.size() == params.size();
+  if (!unknown.empty() && (strict || disjoint)) {
     // A DistributedDataParallel or torch.compile wrapper prefixes every name.
     const bool wrapped = unknown.size() == saved.size() && (unknown[0].rfind("module.", 0) == 0 ||
                                                             unknown[0].rfind("_orig_mod.", 0) == 0);
@@ -112,14 +114,19 @@ std::string load_initial_weights(const std::string& path, Model& model) {
                          : ": is it the weights of another model? (--list-params shows this "
                            "model's names)"));
   }
-  if (!missing.empty())
+  if (!missing.empty() && (strict || disjoint))
     throw Error("--init-weights: " + path + " has no " + some_names(missing) +
                 " of this model's parameters: is it the weights of another model or other "
-                "sizes? (--list-params shows this model's names)");
+                "sizes? (--list-params shows this model's names" +
+                (disjoint ? ")"
+                          : "; --init-weights-strict=false keeps the initialisation of "
+                            "parameters the file lacks)"));
 
   // Every check before the first copy: a refused file leaves the model as it was.
   size_t buffers_taken = 0;
-  for (const auto& [name, p] : params) check_one(path, "parameter", name, saved.at(name), p);
+  for (const auto& [name, p] : params)
+    if (auto it = saved.find(name); it != saved.end())
+      check_one(path, "parameter", name, it->second, p);
   for (const auto& [name, b] : buffers)
     if (auto it = saved.find(name); it != saved.end()) {
       check_one(path, "buffer", name, it->second, b);
@@ -130,13 +137,21 @@ std::string load_initial_weights(const std::string& path, Model& model) {
     for (const auto& [name, t] : *list)
       if (auto it = saved.find(name); it != saved.end()) t.copy_(it->second);
 
+  auto count = [](size_t n, const std::string& what) {
+    return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
+  };
+  std::vector<std::string> buffers_kept;
+  for (const auto& [name, b] : buffers)
+    if (!saved.count(name)) buffers_kept.push_back(name);
   std::string out =
       path + (step >= 0 ? " (the model of checkpoint step " + std::to_string(step) + ")" : "") +
-      ": " + std::to_string(params.size()) + " parameter tensors";
-  if (buffers_taken > 0) out += ", " + std::to_string(buffers_taken) + " buffers";
-  if (buffers_taken < buffers.size())
-    out += "; " + std::to_string(buffers.size() - buffers_taken) +
-           " buffers keep their initial values (not in the file)";
+      ": " + count(params.size() - missing.size(), "parameter tensor");
+  if (buffers_taken > 0) out += ", " + count(buffers_taken, "buffer");
+  if (!missing.empty())
+    out += "; initialised by the model (not in the file): " + some_names(missing);
+  if (!buffers_kept.empty())
+    out += "; buffers as the model holds them (not in the file): " + some_names(buffers_kept);
+  if (!unknown.empty()) out += "; left unused (not in the model): " + some_names(unknown);
   return out;
 }
 

@@ -242,6 +242,10 @@ std::vector<OptionSpec> build_specs() {
           "--save-model file, a .safetensors file, a torch.save'd state_dict or a checkpoint (a "
           "resumed checkpoint wins; empty: none)",
           "FILE"));
+  add(opt("init-weights-strict", Kind::Flag, true,
+          "--init-weights: every parameter must be in the file and every tensor of the file in "
+          "the model (false: parameters the file lacks keep their initialisation, e.g. a new "
+          "head; other tensors of the file are left unused)"));
 
   section = "Data";
   add(opt("dataset", Kind::Text, std::string("synthetic"),

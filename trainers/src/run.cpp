@@ -542,7 +542,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   // --init-weights: a fresh run starts from the file's parameters (a resumed one from the
   // checkpoint's, which already hold them trained on).
   std::string initial_weights;
-  if (c.init_weights && !resumed) initial_weights = load_initial_weights(*c.init_weights, *model);
+  if (c.init_weights && !resumed)
+    initial_weights = load_initial_weights(*c.init_weights, *model, c.init_weights_strict);
   const GroupedParams grouped =
       make_param_groups(model->parameters(), c.param_group_rules, numeric_hyperparam(hp, "lr"),
                         numeric_hyperparam(hp, "weight_decay"));
