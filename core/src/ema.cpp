@@ -18,6 +18,12 @@ at::ScalarType average_dtype(const at::Tensor& p) {
   return t == at::kBFloat16 || t == at::kHalf ? at::kFloat : t;
 }
 
+// A parameter and its average can trade storages when nothing but their values differ.
+bool exchangeable(const at::Tensor& p, const at::Tensor& avg) {
+  return p.scalar_type() == avg.scalar_type() && p.device() == avg.device() &&
+         p.sizes() == avg.sizes() && p.strides() == avg.strides();
+}
+
 }  // namespace
 
 ParameterEma::ParameterEma(std::vector<std::pair<std::string, at::Tensor>> params, double decay)
@@ -74,18 +80,39 @@ void ParameterEma::load(const std::map<std::string, at::Tensor>& averages, int64
   updates_ = updates;
 }
 
-ParameterEma::Swap::Swap(const ParameterEma& ema) : ema_(ema) {
+ParameterEma::Swap::Swap(ParameterEma& ema) : ema_(ema) {
   at::NoGradGuard no_grad;
   saved_.reserve(ema.params_.size());
-  for (const auto& [name, p] : ema.params_) {
-    saved_.push_back(p.detach().clone());
-    p.detach().copy_(ema.averages_.at(name));
+  for (auto& [name, p] : ema.params_) {
+    at::Tensor& avg = ema.averages_.at(name);
+    if (exchangeable(p, avg)) {
+      // The parameter takes the average's storage and the average keeps the trained values':
+      // nothing is copied and no memory is allocated. set_data keeps the parameter's identity
+      // (autograd, hooks and optimizers see the same tensor).
+      const at::Tensor trained = p.detach();
+      p.set_data(avg);
+      avg = trained;
+      saved_.emplace_back();
+    } else {
+      saved_.push_back(p.detach().clone());  // a bf16/fp16 parameter and its float32 average
+      p.detach().copy_(avg);
+    }
   }
 }
 
 ParameterEma::Swap::~Swap() {
   at::NoGradGuard no_grad;
-  for (size_t i = 0; i < saved_.size(); ++i) ema_.params_[i].second.detach().copy_(saved_[i]);
+  for (size_t i = 0; i < saved_.size(); ++i) {
+    auto& [name, p] = ema_.params_[i];
+    if (saved_[i].defined()) {
+      p.detach().copy_(saved_[i]);
+      continue;
+    }
+    at::Tensor& trained = ema_.averages_.at(name);
+    const at::Tensor average = p.detach();
+    p.set_data(trained);
+    trained = average;
+  }
 }
 
 }  // namespace fusebox

@@ -58,22 +58,46 @@ TEST(ParameterEma, AveragesReducedPrecisionParametersInFloat32) {
   EXPECT_EQ(p.scalar_type(), at::kBFloat16);
 }
 
+// A swap lends the average to the parameter and gives the trained values back bit for bit, in
+// the parameter's own storage. A float32 parameter trades storages with its average (nothing is
+// allocated: the parameter's data is the average's own memory meanwhile); a bf16 one, averaged
+// in float32, is copied.
 TEST(ParameterEma, ASwapLendsTheAverageAndGivesTheParametersBackBitForBit) {
   at::manual_seed(5);
   at::Tensor w = at::randn({3, 3}).requires_grad_(true);
-  ParameterEma ema(named({w}), 0.9);
+  at::Tensor h = at::randn({4}).to(at::kBFloat16).requires_grad_(true);
+  ParameterEma ema(named({w, h}), 0.9);
   {
     at::NoGradGuard no_grad;
     w.add_(1.0);
+    h.add_(1.0);
   }
   ema.update();
-  const at::Tensor trained = w.detach().clone();
+  const at::Tensor trained_w = w.detach().clone(), trained_h = h.detach().clone();
+  const at::Tensor average_w = ema.averages().at("p0").clone();
+  const at::Tensor average_h = ema.averages().at("p1").clone();
+  const void* w_storage = w.data_ptr();
+  const void* average_storage = ema.averages().at("p0").data_ptr();
+  ASSERT_FALSE(at::equal(trained_w, average_w));
   {
     ParameterEma::Swap swap(ema);
-    EXPECT_TRUE(at::equal(w.detach(), ema.averages().at("p0")));
+    EXPECT_TRUE(at::equal(w.detach(), average_w));
+    EXPECT_EQ(w.data_ptr(), average_storage) << "traded, not copied";
+    EXPECT_TRUE(at::equal(ema.averages().at("p0"), trained_w)) << "kept by the average meanwhile";
+    EXPECT_EQ(h.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(h.detach(), average_h.to(at::kBFloat16)));
     EXPECT_TRUE(w.requires_grad());
+    EXPECT_TRUE(w.is_leaf());
   }
-  EXPECT_TRUE(at::equal(w.detach(), trained));
+  EXPECT_TRUE(at::equal(w.detach(), trained_w));
+  EXPECT_EQ(w.data_ptr(), w_storage) << "back in its own storage";
+  EXPECT_TRUE(at::equal(h.detach(), trained_h));
+  EXPECT_TRUE(at::equal(ema.averages().at("p0"), average_w));
+  EXPECT_TRUE(at::equal(ema.averages().at("p1"), average_h));
+  // The average goes on from where it was: the next update is the one a swap never touched.
+  const double d = ema.next_decay();
+  ema.update();
+  EXPECT_TRUE(at::equal(ema.averages().at("p0"), average_w.mul(d).add(trained_w, 1 - d)));
 }
 
 TEST(ParameterEma, LoadRestoresAndRefusesAnotherModelsAverages) {

@@ -37,17 +37,19 @@ class ParameterEma {
   void load(const std::map<std::string, at::Tensor>& averages, int64_t updates);
 
   /// While alive, the parameters hold the averages (for evaluation or saving); the destructor
-  /// puts the trained values back, bit for bit. Holds one copy of the parameters meanwhile.
+  /// puts the trained values back, bit for bit, in their own storage. A parameter whose average
+  /// has its dtype trades storages with it (no copy, no memory: averages() holds the trained
+  /// values meanwhile); a bf16/fp16 one is copied, its trained values kept aside.
   class Swap {
    public:
-    explicit Swap(const ParameterEma& ema);
+    explicit Swap(ParameterEma& ema);
     ~Swap();
     Swap(const Swap&) = delete;
     Swap& operator=(const Swap&) = delete;
 
    private:
-    const ParameterEma& ema_;
-    std::vector<at::Tensor> saved_;
+    ParameterEma& ema_;
+    std::vector<at::Tensor> saved_;  ///< per parameter: its trained values, or undefined if traded
   };
 
  private:
