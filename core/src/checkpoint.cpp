@@ -463,6 +463,18 @@ std::map<std::string, at::Tensor> load_model_weights(const fs::path& path) {
   }
 }
 
+std::string read_file_head(const fs::path& path, size_t n) {
+  std::string head(n, '\0');
+  std::ifstream in(path, std::ios::binary);
+  in.read(head.data(), static_cast<std::streamsize>(n));
+  head.resize(static_cast<size_t>(std::max<std::streamsize>(in.gcount(), 0)));
+  return head;
+}
+
+bool looks_like_checkpoint(const std::string& head) {
+  return head.size() >= sizeof(kMagic) && std::memcmp(head.data(), kMagic, sizeof(kMagic)) == 0;
+}
+
 std::string checkpoint_name(int64_t step) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "checkpoint-%08lld.fbx", static_cast<long long>(step));

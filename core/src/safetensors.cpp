@@ -379,7 +379,12 @@ void append_json_string(std::string& out, const std::string& s) {
 
 std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                const std::map<std::string, std::string>& metadata) {
-  std::vector<std::pair<std::string, at::Tensor>> sorted;
+  struct Item {
+    std::string name;
+    at::Tensor tensor;  // on the CPU, contiguous
+    const DtypeName* dtype;
+  };
+  std::vector<Item> sorted;
   std::set<std::string> names;
   for (const auto& [name, t] : tensors) {
     if (name == "__metadata__" || !names.insert(name).second)
@@ -389,12 +394,12 @@ std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tens
     if (!known)
       throw Error("cannot write safetensors: tensor '" + name + "' is " +
                   c10::toString(t.scalar_type()) + ", which the format has no name for");
-    sorted.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+    sorted.push_back({name, t.detach().to(at::kCPU).contiguous(), known});
   }
   // Larger elements first: with the header padded to 8 bytes, each tensor starts aligned.
-  std::stable_sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
-    const size_t sa = a.second.element_size(), sb = b.second.element_size();
-    return sa != sb ? sa > sb : a.first < b.first;
+  std::stable_sort(sorted.begin(), sorted.end(), [](const Item& a, const Item& b) {
+    const size_t sa = a.tensor.element_size(), sb = b.tensor.element_size();
+    return sa != sb ? sa > sb : a.name < b.name;
   });
   std::map<std::string, std::string> meta = metadata;
   meta.emplace("format", "pt");  // what Hugging Face's loaders look for
@@ -407,11 +412,10 @@ std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tens
   }
   header += '}';
   uint64_t offset = 0;
-  for (const auto& [name, t] : sorted) {
-    const DtypeName* known = name_of(t.scalar_type());
+  for (const auto& [name, t, dtype] : sorted) {
     header += ',';
     append_json_string(header, name);
-    header += ":{\"dtype\":\"" + std::string(known->name) + "\",\"shape\":[";
+    header += ":{\"dtype\":\"" + std::string(dtype->name) + "\",\"shape\":[";
     for (int64_t d = 0; d < t.dim(); ++d) header += (d ? "," : "") + std::to_string(t.size(d));
     const uint64_t bytes = t.numel() * t.element_size();
     header += "],\"data_offsets\":[" + std::to_string(offset) + "," +
@@ -425,8 +429,9 @@ std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tens
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
   out.reserve(8 + header.size() + offset);
   out += header;
-  for (const auto& [name, t] : sorted)
-    out.append(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
+  for (const Item& item : sorted)
+    out.append(static_cast<const char*>(item.tensor.data_ptr()),
+               item.tensor.numel() * item.tensor.element_size());
   return out;
 }
 
@@ -470,6 +475,8 @@ std::map<std::string, at::Tensor> load_safetensors(const fs::path& path,
       throw Error("cannot read " + where + ": it ended early (did it change while being read?)");
   });
 }
+
+bool is_safetensors_path(const fs::path& path) { return path.extension() == ".safetensors"; }
 
 bool looks_like_safetensors(const std::string& head) {
   return head.size() >= 9 && head[8] == '{' && read_le64(head.data()) <= kMaxHeaderBytes;

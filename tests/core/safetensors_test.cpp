@@ -11,6 +11,7 @@
 
 #include "../error_of.h"
 #include "../scratch_dir.h"
+#include "fusebox/core/checkpoint.h"
 #include "fusebox/error.h"
 
 using namespace fusebox;
@@ -193,4 +194,19 @@ TEST(Safetensors, TellsItsFilesApart) {
   EXPECT_FALSE(looks_like_safetensors(std::string("PK\x03\x04", 4) + std::string(8, '\0')));
   EXPECT_FALSE(looks_like_safetensors("FUSEBOX-CKPT"));
   EXPECT_FALSE(looks_like_safetensors("{}"));
+  EXPECT_TRUE(is_safetensors_path("a/b.safetensors"));
+  EXPECT_FALSE(is_safetensors_path("a/b.safetensors.pt"));
+
+  // A checkpoint's first bytes, read from the file, tell it from safetensors and back.
+  ScratchDir dir("safetensors-kinds");
+  Checkpoint ckpt;
+  ckpt.model["w"] = at::zeros({2});
+  save_checkpoint(ckpt, dir.file("c.fbx"));
+  save_safetensors({{"w", at::zeros({2})}}, dir.file("w.safetensors"));
+  EXPECT_TRUE(looks_like_checkpoint(read_file_head(dir.file("c.fbx"))));
+  EXPECT_FALSE(looks_like_safetensors(read_file_head(dir.file("c.fbx"))));
+  EXPECT_TRUE(looks_like_safetensors(read_file_head(dir.file("w.safetensors"))));
+  EXPECT_FALSE(looks_like_checkpoint(read_file_head(dir.file("w.safetensors"))));
+  EXPECT_EQ(read_file_head(dir.file("missing")), "");
+  EXPECT_EQ(read_file_head(dir.file("c.fbx"), 4), "FUSE");
 }

@@ -5,6 +5,7 @@
 
 #include "fusebox/core/loss_scaler.h"
 #include "fusebox/core/messages.h"
+#include "fusebox/core/safetensors.h"
 #include "fusebox/core/suggest.h"
 #include "fusebox/error.h"
 
@@ -296,7 +297,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
       throw Error(r.label("save-precision") +
                   ": sets what --save-model writes, and --save-model is unset; give --save-model "
                   "PATH");
-    if (c.model_script && fs::path(*c.save_model).extension() != ".safetensors")
+    if (c.model_script && !is_safetensors_path(*c.save_model))
       throw Error(r.label("save-precision") + ": a --model-script module is saved as itself " +
                   "(TorchScript), in the types it trained in; give --save-model a .safetensors " +
                   "path to save its weights as " + p);

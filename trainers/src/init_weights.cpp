@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <fstream>
 #include <map>
 #include <set>
 #include <vector>
@@ -21,20 +20,10 @@ namespace {
 
 using Named = std::vector<std::pair<std::string, at::Tensor>>;
 
-// The file's first bytes (fewer if it is shorter).
-std::string head_of(const std::string& path) {
-  std::string head(16, '\0');
-  std::ifstream in(path, std::ios::binary);
-  in.read(head.data(), static_cast<std::streamsize>(head.size()));
-  head.resize(static_cast<size_t>(std::max<std::streamsize>(in.gcount(), 0)));
-  return head;
-}
-
 // Every tensor the file holds, by name; `step` is set for a checkpoint.
 std::map<std::string, at::Tensor> read_saved(const std::string& path, int64_t* step) {
-  static constexpr char kCheckpointMagic[] = "FUSEBOX-CKPT";  // checkpoint.cpp's file magic
-  const std::string head = head_of(path);
-  if (head.rfind(kCheckpointMagic, 0) == 0) {
+  const std::string head = read_file_head(path);
+  if (looks_like_checkpoint(head)) {
     Checkpoint ckpt = load_checkpoint(path);  // its own reader: checks every length
     if (auto it = ckpt.counters.find("step"); it != ckpt.counters.end()) *step = it->second;
     std::map<std::string, at::Tensor> all = std::move(ckpt.model);

@@ -68,9 +68,6 @@ class Model {
 void save_via_temporary(const std::string& path,
                         const std::function<void(const std::string&)>& write);
 
-/// True if `path` names a safetensors file (it ends in .safetensors).
-bool is_safetensors_path(const std::string& path);
-
 /// Writes named tensors atomically: safetensors for a .safetensors path, else a {name: tensor}
 /// dict in torch's pickle format (Python's torch.load reads either kind's library). With `as`,
 /// floating tensors are written converted to that type.

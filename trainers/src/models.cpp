@@ -338,10 +338,6 @@ at::Tensor BuiltinModel<Denoiser>::loss(const Batch& b) {
 
 }  // namespace
 
-bool is_safetensors_path(const std::string& path) {
-  return std::filesystem::path(path).extension() == ".safetensors";
-}
-
 void write_weights(const std::vector<std::pair<std::string, at::Tensor>>& named,
                    const std::string& path, std::optional<c10::ScalarType> as) {
   std::vector<std::pair<std::string, at::Tensor>> out = named;

@@ -145,16 +145,16 @@ std::vector<std::pair<size_t, size_t>> lr_sources(
   for (const ParamGroup& group : groups) {
     if (group.params.empty()) throw Error("internal: an empty parameter group");
     const at::Tensor& first = group.params.front();
-    bool found = false;
-    for (size_t i = 0; i < optimizers.size() && !found; ++i)
-      for (size_t j = 0; j < optimizers[i]->num_groups() && !found; ++j)
-        for (const at::Tensor& p : optimizers[i]->group(j).params)
-          if (p.is_same(first)) {
-            out.emplace_back(i, j);
-            found = true;
-            break;
-          }
-    if (!found) throw Error("internal: a parameter group is held by no optimizer");
+    const auto holder = std::find_if(optimizers.begin(), optimizers.end(),
+                                     [&](const auto& o) { return o->owns(first); });
+    if (holder == optimizers.end())
+      throw Error("internal: a parameter group is held by no optimizer");
+    const Optimizer& opt = **holder;
+    size_t j = 0;
+    while (std::none_of(opt.group(j).params.begin(), opt.group(j).params.end(),
+                        [&](const at::Tensor& p) { return p.is_same(first); }))
+      ++j;  // owns() found it, so one of the groups holds it
+    out.emplace_back(static_cast<size_t>(holder - optimizers.begin()), j);
   }
   return out;
 }

@@ -2,7 +2,6 @@
 #include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/script.h>
 
-#include <fstream>
 #include <sstream>
 
 #include "fusebox/core/checkpoint.h"
@@ -104,9 +103,7 @@ torch::jit::Module read_script(const std::string& path, c10::Device device) {
   } catch (const std::exception& e) {
     bool weights = false;  // a --save-model (or torch.save, or safetensors) dict of tensors
     try {
-      std::string head(16, '\0');
-      std::ifstream(path, std::ios::binary).read(head.data(), 16);
-      weights = looks_like_safetensors(head) || !load_model_weights(path).empty();
+      weights = looks_like_safetensors(read_file_head(path)) || !load_model_weights(path).empty();
     } catch (const std::exception&) {
     }
     throw Error(

@@ -79,6 +79,11 @@ void save_model_weights(const std::vector<std::pair<std::string, at::Tensor>>& p
 /// Reads what save_model_weights() wrote.
 std::map<std::string, at::Tensor> load_model_weights(const std::filesystem::path& path);
 
+/// A file's first `n` bytes (fewer if it is shorter or cannot be read), to tell formats apart.
+std::string read_file_head(const std::filesystem::path& path, size_t n = 16);
+/// True if `head`, a file's first bytes, starts like a fusebox checkpoint.
+bool looks_like_checkpoint(const std::string& head);
+
 /// Writes `bytes` to `path` atomically: temp file in the same folder, fsync, rename, fsync folder.
 void write_file_atomically(const std::filesystem::path& path, const std::string& bytes);
 /// Appends `bytes` to `path` (created if missing) and fsyncs it. If the write fails (a full disk,

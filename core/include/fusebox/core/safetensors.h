@@ -44,4 +44,7 @@ std::map<std::string, at::Tensor> parse_safetensors(
 /// size, then the header's opening brace.
 bool looks_like_safetensors(const std::string& head);
 
+/// True if `path` names a safetensors file (it ends in .safetensors).
+bool is_safetensors_path(const std::filesystem::path& path);
+
 }  // namespace fusebox
