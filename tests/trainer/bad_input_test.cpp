@@ -179,7 +179,7 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"attention past memory", "--optimizer sgd --model transformer --seq-len 1000000",
        "one block's attention scores (8 sequences x 4 heads x 1000000^2) need 116.4 TiB", 2},
       {"unknown eval dataset", "--optimizer sgd --eval-every 1 --eval-dataset bogus",
-       "--eval-dataset: 'bogus' is not synthetic, none or text:PATH", 2},
+       "--eval-dataset: 'bogus' is not synthetic, none, text:PATH or tensors:PATH", 2},
       {"eval text for the mlp", "--optimizer sgd --eval-dataset text:{dir}/malformed_script.pt",
        "--eval-dataset: text data is for the transformer model, not mlp", 2},
       {"eval every -1", "--optimizer sgd --eval-every -1", "--eval-every", 2},
@@ -193,7 +193,8 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"early stop without evaluations", "--optimizer sgd --early-stop-patience 2",
        "--early-stop-patience: counts evaluations, and there are none; give --eval-every N", 2},
       {"holdout of synthetic data", "--optimizer sgd --eval-holdout 0.1",
-       "--eval-holdout: holds out the end of a text file, but --dataset is synthetic", 2},
+       "--eval-holdout: holds out the end of a text or tensors file, but --dataset is synthetic",
+       2},
       {"holdout of over half", "--optimizer sgd --eval-holdout 0.6",
        "--eval-holdout: must be at most 0.5, got 0.6", 2},
       {"holdout of nothing", "--optimizer sgd --eval-holdout 0",
@@ -236,6 +237,17 @@ TEST(TrainerBadInput, EveryCaseIsOneLineNonZeroAndLeavesNoFiles) {
       {"foreign weights as initial weights",
        "--optimizer sgd --init-weights {dir}/weights.safetensors",
        "weights.safetensors holds 'w', which this model has no parameter or buffer of", 2},
+      {"weights as training data", "--optimizer sgd --dataset tensors:{dir}/weights.safetensors",
+       "weights.safetensors holds 'w'; the mlp reads 'input' [samples, 8] (--model-width) and "
+       "'target' [samples, 1]",
+       2},
+      {"cut safetensors as training data",
+       "--optimizer sgd --dataset tensors:{dir}/cut.safetensors", "--dataset tensors:", 2},
+      {"a TorchScript module as evaluation data",
+       "--optimizer sgd --eval-every 1 --eval-dataset tensors:{dir}/malformed_script.pt",
+       "--eval-dataset tensors:", 2},
+      {"a missing tensors file", "--optimizer sgd --dataset tensors:{dir}/none.safetensors",
+       "--dataset: tensors file", 2},
   };
   int i = 0;
   for (const BadCase& c : cases) {

@@ -123,7 +123,8 @@ TEST(TrainerConfig, WrongTypeAndBadValuesNamePlaceAndKey) {
   m = error_of([] { resolve("", {"--optimizer", "sgd", "--max-grad-norm", "-1"}); });
   EXPECT_EQ(m, "--max-grad-norm: must be at least 0.0, got -1.0");
   m = error_of([] { resolve("", {"--optimizer", "sgd", "--dataset", "txt:foo"}); });
-  EXPECT_NE(m.find("--dataset: 'txt:foo' is not synthetic, none or text:PATH"), std::string::npos)
+  EXPECT_NE(m.find("--dataset: 'txt:foo' is not synthetic, none, text:PATH or tensors:PATH"),
+            std::string::npos)
       << m;
   m = error_of([] { resolve("", {"--optimizer", "sgd", "--model-script", "/no/such.pt"}); });
   EXPECT_EQ(m, "--model-script: file /no/such.pt does not exist");

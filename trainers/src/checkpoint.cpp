@@ -95,6 +95,14 @@ int64_t restore_training_state(const Checkpoint& ckpt, StepMode& mode, LrSchedul
     restore_rng_state(ckpt.rng);
     if (auto it = ckpt.rng.find("data"); it != ckpt.rng.end())
       data.generator().set_state(it->second);
+    // Written since tensors data walk through their file; an older checkpoint's run drew none.
+    if (auto it = ckpt.counters.find("data_samples"); it != ckpt.counters.end()) {
+      if (it->second < 0)
+        throw Error(
+            "--resume: the checkpoint has no valid 'data_samples' counter: it was not "
+            "written by fusebox's trainer");
+      data.set_samples_drawn(it->second);
+    }
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -275,6 +283,7 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.rng = capture_rng_state();
   ckpt.rng["data"] = ctx.data.generator().get_state();
   ckpt.counters["step"] = step;
+  ckpt.counters["data_samples"] = ctx.data.samples_drawn();
   ckpt.counters["scheduler_steps"] = ctx.scheduler.step_count();
   if (ctx.skipped_in_a_row) ckpt.counters["skipped_in_a_row"] = *ctx.skipped_in_a_row;
   if (ctx.ema) {

@@ -226,7 +226,8 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
                   " must be divisible by " + std::to_string(factor) + " (2^(model-depth - 1))");
   }
 
-  // --dataset and --eval-dataset: "synthetic", "none" or "text" with a readable file.
+  // --dataset and --eval-dataset: "synthetic", "none", or "text" or "tensors" with a readable
+  // file (what the file holds is checked against the model when the data are made).
   auto read_dataset = [&](const std::string& option, std::string& kind, std::string& path) {
     const std::string spec = r.get<std::string>(option);
     const std::string label = r.label(option);
@@ -237,9 +238,15 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
       path = spec.substr(5);
       if (path.empty()) throw Error(label + ": text: needs a path (text:PATH)");
       check_readable_file(label, path, "text file");
+    } else if (spec.rfind("tensors:", 0) == 0) {
+      kind = "tensors";
+      path = spec.substr(8);
+      if (path.empty()) throw Error(label + ": tensors: needs a path (tensors:PATH)");
+      check_readable_file(label, path, "tensors file");
     } else {
-      std::string hint = did_you_mean(spec, {"synthetic", "none", "text:PATH"});
-      throw Error(label + ": '" + spec + "' is not synthetic, none or text:PATH" + hint);
+      std::string hint = did_you_mean(spec, {"synthetic", "none", "text:PATH", "tensors:PATH"});
+      throw Error(label + ": '" + spec + "' is not synthetic, none, text:PATH or tensors:PATH" +
+                  hint);
     }
     if (!c.model_script) {
       if (kind == "none")
@@ -267,13 +274,15 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
       throw Error(r.label("eval-dataset") + ": " + (c.dataset == "none" ? "--dataset is" : "is") +
                   " none: a script model takes data for both or for neither");
   }
-  // --eval-holdout splits the one text file: training never sees the evaluation's bytes.
+  // --eval-holdout splits the one file: training never sees the evaluation's bytes or samples.
   if (const std::optional<double> holdout = r.maybe<double>("eval-holdout")) {
     const std::string label = r.label("eval-holdout");
-    if (c.dataset != "text")
-      throw Error(label + ": holds out the end of a text file, but --dataset is " + c.dataset +
-                  " (give --dataset text:PATH, or leave it unset: the evaluation's " + c.dataset +
-                  " batches are a stream of their own already)");
+    if (c.dataset != "text" && c.dataset != "tensors")
+      throw Error(label + ": holds out the end of a text or tensors file, but --dataset is " +
+                  c.dataset +
+                  " (give --dataset text:PATH or tensors:PATH, or leave it unset: the "
+                  "evaluation's " +
+                  c.dataset + " batches are a stream of their own already)");
     if (!r.maybe<std::string>("eval-dataset").value_or("").empty())
       throw Error(label + " and " + r.label("eval-dataset") +
                   " both choose the evaluation's data: give one of them");

@@ -64,13 +64,13 @@ struct TrainConfig {
   std::optional<std::string> model_script;
   std::optional<std::string> init_weights;  ///< --init-weights: the parameters to start from
   bool init_weights_strict = true;
-  std::string dataset;       ///< "synthetic", "none" or "text"
-  std::string dataset_path;  ///< for "text"
+  std::string dataset;       ///< "synthetic", "none", "text" or "tensors"
+  std::string dataset_path;  ///< for "text" and "tensors"
   int64_t eval_every = 0;    ///< 0: no evaluation
   int64_t eval_batches = 4;
   std::string eval_dataset, eval_dataset_path;  ///< as dataset and dataset_path
   int64_t early_stop_patience = 0;              ///< 0: never stop early
-  double eval_holdout = 0;  ///< text data: the file's last fraction, for evaluation only (0: none)
+  double eval_holdout = 0;  ///< text or tensors data: the file's last fraction, for evaluation only
   std::string eval_set_unused;  ///< an --eval-* option given without --eval-every (its label)
 
   // Output.

@@ -11,24 +11,29 @@
 #include <mutex>
 
 #include "fusebox/error.h"
+#include "tensor_data.h"
 
 namespace fusebox::trainer {
 
-namespace {
-
-// The data stream's seed: its own, so model initialisation and data do not interfere.
 uint64_t data_seed(int64_t seed) { return static_cast<uint64_t>(seed) * 2654435761u + 17; }
 
 at::Generator data_generator(int64_t seed) {
   return at::detail::createCPUGenerator(data_seed(seed));
 }
 
-// A fraction as it was given (0.1, not 0.100000).
 std::string fraction_text(double f) {
   char text[32];
   std::snprintf(text, sizeof text, "%g", f);
   return text;
 }
+
+void DataSource::restart(uint64_t seed) {
+  at::Generator& gen = generator();
+  const std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(seed);
+}
+
+namespace {
 
 const at::TensorOptions kFloat = at::TensorOptions().dtype(at::kFloat);
 const at::TensorOptions kLong = at::TensorOptions().dtype(at::kLong);
@@ -67,7 +72,9 @@ class SequenceData : public DataSource {
       seq.select(1, i).copy_(cur);
       cur = perm_.index_select(0, cur);
     }
-    return Batch{seq.slice(1, 0, seq_len_), seq.slice(1, 1, seq_len_ + 1), {}, {}};
+    Batch b;
+    b.input = seq.slice(1, 0, seq_len_), b.target = seq.slice(1, 1, seq_len_ + 1);
+    return b;
   }
   std::string describe() const override {
     return "synthetic token sequences (vocabulary " + std::to_string(vocab_) + ")";
@@ -80,18 +87,10 @@ class SequenceData : public DataSource {
   at::Tensor perm_;
 };
 
-// Which bytes of a text file a stream draws from. With --eval-holdout F the file's last F (rounded
-// down to whole bytes) is the evaluation's and the rest the training's: no window of the one
-// shares a byte with a window of the other.
-struct TextPart {
-  double holdout = 0;     ///< the fraction held out (0: none; the stream takes the whole file)
-  bool held_out = false;  ///< true: this is the evaluation's stream, the held-out end
-};
-
 class TextData : public DataSource {
  public:
   TextData(const std::string& path, int64_t batch, int64_t window, int64_t seed, bool split,
-           TextPart part = {})
+           DataPart part = {})
       : path_(path), batch_(batch), window_(window), split_(split), gen_(data_generator(seed)) {
     std::ifstream in(path, std::ios::binary);
     if (!in) throw Error("text file " + path + " cannot be read");
@@ -131,8 +130,13 @@ class TextData : public DataSource {
     at::Tensor idx = starts.unsqueeze(1) + at::arange(window_, kLong).unsqueeze(0);
     at::Tensor seq =
         tokens_.index_select(0, idx.reshape({-1})).reshape({batch_, window_}).to(kLong);
-    if (!split_) return Batch{seq, {}, {}, {}};
-    return Batch{seq.slice(1, 0, window_ - 1), seq.slice(1, 1, window_), {}, {}};
+    Batch b;
+    if (!split_) {
+      b.input = seq;
+    } else {
+      b.input = seq.slice(1, 0, window_ - 1), b.target = seq.slice(1, 1, window_);
+    }
+    return b;
   }
   std::string describe() const override {
     return "text " + path_ + " (" +
@@ -187,7 +191,11 @@ class GaussianData : public DataSource {
  public:
   GaussianData(int64_t batch, int64_t width, int64_t seed)
       : batch_(batch), width_(width), gen_(data_generator(seed)) {}
-  Batch next() override { return Batch{at::randn({batch_, width_}, gen_, kFloat), {}, {}, {}}; }
+  Batch next() override {
+    Batch b;
+    b.input = at::randn({batch_, width_}, gen_, kFloat);
+    return b;
+  }
   std::string describe() const override { return "synthetic N(0, 1) features"; }
 
  private:
@@ -198,7 +206,11 @@ class GaussianData : public DataSource {
 
 class NoData : public DataSource {
  public:
-  Batch next() override { return Batch{at::empty({0}, kFloat), {}, {}, {}}; }
+  Batch next() override {
+    Batch b;
+    b.input = at::empty({0}, kFloat);
+    return b;
+  }
   std::string describe() const override { return "none"; }
   at::Generator& generator() override { return gen_; }  // unused, but its state round-trips
 
@@ -208,12 +220,15 @@ class NoData : public DataSource {
 
 // The stream of `c`'s training data, or of its evaluation data (--eval-dataset, or the held-out
 // end of the training text).
-std::unique_ptr<DataSource> make_stream(const TrainConfig& c, bool evaluation) {
+std::unique_ptr<DataSource> make_stream(const TrainConfig& c, bool evaluation,
+                                        const std::vector<ForwardArgument>& forward) {
   const int64_t b = c.train_batch_size;
   const std::string& dataset = evaluation ? c.eval_dataset : c.dataset;
   const std::string& path = evaluation ? c.eval_dataset_path : c.dataset_path;
-  const TextPart part{c.eval_holdout, evaluation};
+  const DataPart part{c.eval_holdout, evaluation};
   if (dataset == "none") return std::make_unique<NoData>();
+  if (dataset == "tensors")
+    return make_tensor_data(c, evaluation ? "--eval-dataset" : "--dataset", path, part, forward);
   if (c.model_script) {
     if (dataset == "text")
       return std::make_unique<TextData>(path, b, c.seq_len + 1, c.seed, false, part);
@@ -230,22 +245,21 @@ std::unique_ptr<DataSource> make_stream(const TrainConfig& c, bool evaluation) {
 
 }  // namespace
 
-EvalData::EvalData(const TrainConfig& c) {
-  source_ = make_stream(c, true);
+EvalData::EvalData(const TrainConfig& c, const std::vector<ForwardArgument>& forward) {
+  source_ = make_stream(c, true, forward);
   // Another stream from the same seed: a fixed odd offset (the golden ratio's bits) keeps it
   // apart from the training stream's for every seed.
   seed_ = data_seed(c.seed) + 0x9E3779B97F4A7C15ull;
   rewind();
 }
 
-void EvalData::rewind() {
-  at::Generator& gen = source_->generator();
-  const std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_current_seed(seed_);
-}
+void EvalData::rewind() { source_->restart(seed_); }
 
 std::string EvalData::describe() const { return source_->describe(); }
 
-std::unique_ptr<DataSource> make_data(const TrainConfig& c) { return make_stream(c, false); }
+std::unique_ptr<DataSource> make_data(const TrainConfig& c,
+                                      const std::vector<ForwardArgument>& forward) {
+  return make_stream(c, false, forward);
+}
 
 }  // namespace fusebox::trainer

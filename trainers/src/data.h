@@ -9,15 +9,33 @@
 //   denoiser:    input [B, 3, S, S] smooth random images in [-1, 1], noise ~ N(0, 1), timesteps
 //   script:      synthetic: input [B, width] ~ N(0, 1); text: tokens [B, seq_len + 1]; none: an
 //                empty tensor
+// --dataset tensors:PATH gives every model samples of the user's own (tensor_data.h).
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "config.h"
 #include "model.h"
 
 namespace fusebox::trainer {
+
+/// Which part of a file a stream draws from. With --eval-holdout F the file's last F (bytes of a
+/// text file, samples of a tensors file; rounded down) is the evaluation's and the rest the
+/// training's: the two share nothing.
+struct DataPart {
+  double holdout = 0;     ///< the fraction held out (0: none; the stream takes the whole file)
+  bool held_out = false;  ///< true: this is the evaluation's stream, the held-out end
+};
+
+/// The training data stream's seed for --seed: its own, so that model initialisation and data
+/// do not interfere.
+uint64_t data_seed(int64_t seed);
+/// A CPU generator seeded with data_seed(seed).
+at::Generator data_generator(int64_t seed);
+/// A fraction as it was given (0.1, not 0.100000).
+std::string fraction_text(double f);
 
 /// An endless stream of batches.
 class DataSource {
@@ -29,10 +47,18 @@ class DataSource {
   virtual std::string describe() const = 0;
   /// The generator behind the stream (its state is saved in checkpoints to resume exactly).
   virtual at::Generator& generator() = 0;
+  /// Samples drawn so far, for a stream that walks through a file epoch by epoch (0 for the
+  /// others); saved in checkpoints with the generator's state.
+  virtual int64_t samples_drawn() const { return 0; }
+  virtual void set_samples_drawn(int64_t) {}
+  /// Starts the stream again from `seed`, as a fresh stream of that seed would start.
+  virtual void restart(uint64_t seed);
 };
 
-/// The data for `config`'s model and dataset; throws Error naming an unreadable file.
-std::unique_ptr<DataSource> make_data(const TrainConfig& config);
+/// The data for `config`'s model and dataset; `forward` (a script model's arguments) says what a
+/// --dataset tensors: file must hold. Throws Error naming an unreadable or unsuitable file.
+std::unique_ptr<DataSource> make_data(const TrainConfig& config,
+                                      const std::vector<ForwardArgument>& forward = {});
 
 /// The held-out batches of --eval-every: the same task as make_data(config) (the same teacher
 /// network or token permutation, made from --seed), from --eval-dataset or the end of the text
@@ -41,7 +67,7 @@ std::unique_ptr<DataSource> make_data(const TrainConfig& config);
 /// training data stream is used.
 class EvalData {
  public:
-  explicit EvalData(const TrainConfig& config);
+  explicit EvalData(const TrainConfig& config, const std::vector<ForwardArgument>& forward = {});
   /// The first of this evaluation's batches comes next.
   void rewind();
   Batch next() { return source_->next(); }

@@ -22,6 +22,15 @@ struct Batch {
   at::Tensor target;     ///< regression targets or next tokens
   at::Tensor noise;      ///< denoiser: the noise to add and predict
   at::Tensor timesteps;  ///< denoiser: diffusion step per sample
+  /// A script model's forward arguments by name (--dataset tensors: with named tensors); when
+  /// set, `input` is not used.
+  std::vector<std::pair<std::string, at::Tensor>> arguments;
+};
+
+/// One argument of a script model's forward (after self).
+struct ForwardArgument {
+  std::string name;
+  bool has_default = false;  ///< may be left out
 };
 
 /// Sizes of the built-in models.
@@ -50,6 +59,8 @@ class Model {
   /// Tensors the model keeps besides its parameters and may change while training (a script
   /// module's buffers, e.g. BatchNorm's running statistics); checkpoints save and restore them.
   virtual std::vector<std::pair<std::string, at::Tensor>> buffers() { return {}; }
+  /// A script model's forward arguments (none for a built-in model).
+  virtual std::vector<ForwardArgument> forward_arguments() { return {}; }
   /// The scalar training loss of `batch`.
   virtual at::Tensor loss(const Batch& batch) = 0;
   /// Training mode (true) or evaluation mode (dropout off, BatchNorm using its running

@@ -249,7 +249,9 @@ std::vector<OptionSpec> build_specs() {
 
   section = "Data";
   add(opt("dataset", Kind::Text, std::string("synthetic"),
-          "synthetic (from --seed), text:PATH (bytes as tokens, transformer/script) or none",
+          "synthetic (from --seed), text:PATH (bytes as tokens, transformer/script), "
+          "tensors:PATH (samples of your own: a safetensors or torch.save'd file of tensors, "
+          "shuffled each epoch) or none",
           "SPEC"));
   at_least(add(opt("eval-every", Kind::Int, int64_t{0},
                    "every N steps and after the last: the mean loss on --eval-batches held-out "
@@ -266,8 +268,9 @@ std::vector<OptionSpec> build_specs() {
           "of its own; give a text file of its own to hold text out)",
           "SPEC"));
   OptionSpec& holdout = add(opt("eval-holdout", Kind::Real, {},
-                                "with --dataset text:PATH: the file's last fraction F is for "
-                                "evaluation only and never trained on (unset: nothing held out)",
+                                "with --dataset text:PATH or tensors:PATH: the file's last "
+                                "fraction F (of its bytes or samples) is for evaluation only and "
+                                "never trained on (unset: nothing held out)",
                                 "F"));
   above(holdout, 0);
   at_most(holdout, 0.5);

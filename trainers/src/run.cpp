@@ -69,6 +69,7 @@ Batch to_device(Batch b, c10::Device device, at::ScalarType dtype, at::ScalarTyp
   move(b.target, loss_dtype);
   move(b.noise, loss_dtype);
   move(b.timesteps, loss_dtype);
+  for (auto& [name, t] : b.arguments) move(t, dtype);
   return b;
 }
 
@@ -84,6 +85,7 @@ Batch shard(Batch b, int rank, int world) {
   rows(b.target);
   rows(b.noise);
   rows(b.timesteps);
+  for (auto& [name, t] : b.arguments) rows(t);
   return b;
 }
 
@@ -500,8 +502,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       mo.device = device, mo.dtype = dtype;
       model = make_builtin_model(mo);
     }
-    data = make_data(c);
-    if (c.eval_every > 0) eval_data = std::make_unique<EvalData>(c);
+    const std::vector<ForwardArgument> forward = model->forward_arguments();
+    data = make_data(c, forward);
+    if (c.eval_every > 0) eval_data = std::make_unique<EvalData>(c, forward);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -659,7 +662,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << "; data: " << data->describe()
           << (eval_data ? "; eval: " + std::to_string(c.eval_batches) + " batches every " +
                               std::to_string(c.eval_every) + " steps" +
-                              (c.eval_dataset == "text" ? " from " + eval_data->describe() : "")
+                              (c.eval_dataset == "text" || c.eval_dataset == "tensors"
+                                   ? " from " + eval_data->describe()
+                                   : "")
                         : std::string())
           << "; optimizer: " << plugin.info().name << " (" << summary.mode << ", "
           << mode->optimizers().size() << " optimizer"

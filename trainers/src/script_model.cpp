@@ -53,10 +53,24 @@ class ScriptModel : public Model {
 
   void set_training(bool on) override { m_.train(on); }
 
+  std::vector<ForwardArgument> forward_arguments() override {
+    std::vector<ForwardArgument> out;
+    const auto& arguments = m_.get_method("forward").function().getSchema().arguments();
+    for (size_t i = 1; i < arguments.size(); ++i)  // the first is self
+      out.push_back({arguments[i].name(), arguments[i].default_value().has_value()});
+    return out;
+  }
+
   at::Tensor loss(const Batch& b) override {
     c10::IValue out;
     try {
-      out = m_.forward({b.input});
+      if (b.arguments.empty()) {
+        out = m_.forward({b.input});
+      } else {
+        torch::jit::Kwargs kwargs;
+        for (const auto& [name, t] : b.arguments) kwargs.emplace(name, t);
+        out = m_.forward({}, kwargs);
+      }
     } catch (const std::exception& e) {
       throw Error("model script " + path_ + ": forward failed: " + script_error(e.what()));
     }

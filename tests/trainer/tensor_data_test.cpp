@@ -1,0 +1,355 @@
+// --dataset tensors:PATH: samples of the user's own, walked through epoch by epoch in a shuffled
+// order; what each model reads from the file; the held-out part; resuming mid-epoch; a script
+// model's forward arguments by name; the refusals.
+#include <gtest/gtest.h>
+#include <torch/script.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <numeric>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../error_of.h"
+#include "checkpoint.h"
+#include "config.h"
+#include "data.h"
+#include "fusebox/core/checkpoint.h"
+#include "fusebox/core/safetensors.h"
+#include "fusebox/error.h"
+#include "trainer_test_util.h"
+
+namespace fusebox::trainer {
+namespace {
+
+using ::fusebox::testing::error_of;
+using testing::join;
+using testing::losses;
+using testing::Result;
+using testing::run_trainer;
+using testing::TempDir;
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Ten samples whose 'target' is the sample's number and whose 'input' row is [2n, 2n + 1].
+Named numbered(int64_t n = 10) {
+  return {{"input", at::arange(2 * n, at::kFloat).reshape({n, 2})},
+          {"target", at::arange(n, at::kFloat)}};
+}
+
+TrainConfig mlp_config(const std::string& path, int64_t batch = 4) {
+  TrainConfig c;
+  c.model = "mlp", c.model_width = 2, c.train_batch_size = batch, c.seed = 5;
+  c.dataset = c.eval_dataset = "tensors";
+  c.dataset_path = c.eval_dataset_path = path;
+  return c;
+}
+
+// The sample numbers of `batches` batches of a DataSource or EvalData, checking each row's input
+// against its target.
+template <class Stream>
+std::vector<int64_t> samples_of(Stream& data, int batches) {
+  std::vector<int64_t> out;
+  for (int i = 0; i < batches; ++i) {
+    const Batch b = data.next();
+    EXPECT_EQ(b.target.sizes(), (at::IntArrayRef{b.input.size(0), 1}));
+    for (int64_t r = 0; r < b.input.size(0); ++r) {
+      const auto n = static_cast<int64_t>(b.target[r][0].item<float>());
+      EXPECT_EQ(b.input[r][0].item<float>(), 2.0f * static_cast<float>(n));
+      out.push_back(n);
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> sorted(std::vector<int64_t> v) {
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+std::vector<int64_t> range(int64_t from, int64_t to) {
+  std::vector<int64_t> v(static_cast<size_t>(to - from));
+  std::iota(v.begin(), v.end(), from);
+  return v;
+}
+
+// Every epoch is every sample once, in an order of its own; a batch that crosses an epoch's end
+// continues with the next epoch; the same seed gives the same stream, another seed another.
+TEST(TrainerTensorData, EachEpochSeesEverySampleOnceInANewOrder) {
+  TempDir tmp;
+  save_safetensors(numbered(), tmp.file("d.safetensors"));
+  TrainConfig c = mlp_config(tmp.file("d.safetensors"));
+  std::unique_ptr<DataSource> data = make_data(c);
+  const std::vector<int64_t> seen = samples_of(*data, 5);  // 20 samples: two epochs
+  ASSERT_EQ(seen.size(), 20u);
+  const std::vector<int64_t> first(seen.begin(), seen.begin() + 10),
+      second(seen.begin() + 10, seen.end());
+  EXPECT_EQ(sorted(first), range(0, 10));
+  EXPECT_EQ(sorted(second), range(0, 10));
+  EXPECT_NE(first, second);
+  EXPECT_NE(first, range(0, 10));  // shuffled
+  EXPECT_EQ(data->samples_drawn(), 20);
+  EXPECT_EQ(samples_of(*make_data(c), 5), seen);
+  c.seed = 6;
+  EXPECT_NE(samples_of(*make_data(c), 5), seen);
+  EXPECT_EQ(data->describe(), "tensors " + c.dataset_path +
+                                  " (10 samples: input [2] Float, target [] Float; shuffled each "
+                                  "epoch)");
+}
+
+// A stream told how many samples were drawn continues as the stream that drew them (what a
+// checkpoint's data_samples counter restores).
+TEST(TrainerTensorData, AStreamContinuesFromTheSamplesDrawn) {
+  TempDir tmp;
+  save_safetensors(numbered(), tmp.file("d.safetensors"));
+  const TrainConfig c = mlp_config(tmp.file("d.safetensors"), 3);
+  const std::vector<int64_t> whole = samples_of(*make_data(c), 8);
+  std::unique_ptr<DataSource> resumed = make_data(c);
+  resumed->set_samples_drawn(12);  // mid-way through the second epoch
+  EXPECT_EQ(samples_of(*resumed, 4), std::vector<int64_t>(whole.begin() + 12, whole.end()));
+}
+
+// --eval-holdout: the last fifth of the samples is the evaluation's alone; each evaluation sees
+// the same batches.
+TEST(TrainerTensorData, AHoldoutKeepsTheLastSamplesFromTraining) {
+  TempDir tmp;
+  save_safetensors(numbered(), tmp.file("d.safetensors"));
+  TrainConfig c = mlp_config(tmp.file("d.safetensors"));
+  c.eval_holdout = 0.2;
+  std::unique_ptr<DataSource> train = make_data(c);
+  EvalData eval(c);
+  auto set_of = [](const std::vector<int64_t>& v) { return std::set<int64_t>(v.begin(), v.end()); };
+  const std::vector<int64_t> trained = samples_of(*train, 20);
+  EXPECT_EQ(set_of(trained), set_of(range(0, 8)));
+  const std::vector<int64_t> evaluated = samples_of(eval, 3);
+  EXPECT_EQ(set_of(evaluated), set_of(range(8, 10)));
+  eval.rewind();
+  EXPECT_EQ(samples_of(eval, 3), evaluated);
+  EXPECT_EQ(train->describe(), "tensors " + c.dataset_path +
+                                   " (the first 8 of 10 samples, 2 held out: input [2] Float, "
+                                   "target [] Float; shuffled each epoch)");
+  c.eval_holdout = 0.05;
+  EXPECT_EQ(error_of([&] { EvalData none(c); }),
+            "--eval-dataset tensors:" + c.dataset_path +
+                " (10 samples): --eval-holdout 0.05 leaves no sample for evaluation (hold out "
+                "more, or give more samples)");
+}
+
+// What each built-in model reads: the transformer's token ids split into input and next tokens,
+// the denoiser's images with noise and timesteps drawn.
+TEST(TrainerTensorData, TheBuiltInModelsReadTheirTensors) {
+  TempDir tmp;
+  TrainConfig c = mlp_config("");
+  c.model = "transformer", c.seq_len = 4, c.vocab_size = 50;
+  save_safetensors({{"ids", at::arange(30, at::kInt).reshape({6, 5})}}, tmp.file("t.safetensors"));
+  c.dataset_path = tmp.file("t.safetensors");
+  Batch b = make_data(c)->next();
+  ASSERT_EQ(b.input.sizes(), (at::IntArrayRef{4, 4}));
+  EXPECT_EQ(b.input.scalar_type(), at::kLong);
+  EXPECT_TRUE(at::equal(b.target, b.input + 1));  // each row counts up
+  EXPECT_TRUE(at::equal(b.input.select(1, 0).remainder(5), at::zeros({4}, at::kLong)));
+
+  c.model = "denoiser", c.image_size = 4;
+  save_safetensors({{"images", at::rand({6, 3, 4, 4}, at::kDouble) * 2 - 1}},
+                   tmp.file("i.safetensors"));
+  c.dataset_path = tmp.file("i.safetensors");
+  b = make_data(c)->next();
+  EXPECT_EQ(b.input.sizes(), (at::IntArrayRef{4, 3, 4, 4}));
+  EXPECT_EQ(b.noise.sizes(), b.input.sizes());
+  EXPECT_EQ(b.timesteps.sizes(), (at::IntArrayRef{4}));
+  EXPECT_TRUE(b.input.abs().le(1).all().item<bool>());
+}
+
+// A checkpoint written mid-epoch resumes the data where it stood: the resumed run's losses are
+// the uninterrupted run's, bit for bit (without the data_samples counter the resumed run would
+// start the first epoch again).
+TEST(TrainerTensorData, AResumedRunContinuesMidEpoch) {
+  TempDir tmp;
+  at::manual_seed(3);
+  const at::Tensor start = at::randint(32, {37, 1}, at::kLong);
+  save_safetensors({{"tokens", (start + at::arange(9, at::kLong)).remainder(32)}},
+                   tmp.file("tokens.safetensors"));
+  auto run = [&](const std::string& out, const std::vector<std::string>& extra) {
+    return run_trainer(join({"--model",
+                             "transformer",
+                             "--seq-len",
+                             "8",
+                             "--vocab-size",
+                             "32",
+                             "--model-width",
+                             "16",
+                             "--model-depth",
+                             "1",
+                             "--dataset",
+                             "tensors:" + tmp.file("tokens.safetensors"),
+                             "--train-batch-size",
+                             "4",
+                             "--optimizer",
+                             "adamw",
+                             "--max-train-steps",
+                             "12",
+                             "--log-every",
+                             "0",
+                             "--threads",
+                             "1",
+                             "--output-dir",
+                             tmp.file(out)},
+                            extra));
+  };
+  Result whole = run("whole", {"--save-every-n-steps", "5"});
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  const Checkpoint ckpt = load_checkpoint(tmp.file("whole/" + checkpoint_name(5)));
+  EXPECT_EQ(ckpt.counters.at("data_samples"), 20);
+  Result resumed = run("resumed", {"--resume", tmp.file("whole/" + checkpoint_name(5))});
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  const std::vector<double> a = losses(tmp.file("whole/metrics.jsonl")),
+                            b = losses(tmp.file("resumed/metrics.jsonl"));
+  ASSERT_EQ(a.size(), 12u);
+  ASSERT_GE(b.size(), 7u);
+  EXPECT_EQ(std::vector<double>(a.end() - 7, a.end()), std::vector<double>(b.end() - 7, b.end()));
+}
+
+// A script model's forward takes the file's tensors by name, whatever the order of its arguments;
+// one tensor feeds a one-argument forward whatever its name; a torch.save'd dict is the same data
+// as a safetensors file. The model learns the weights the data were made with.
+TEST(TrainerTensorData, AScriptModelTakesTheTensorsAsForwardArguments) {
+  TempDir tmp;
+  auto script = [&](const std::string& name, const std::string& source) {
+    torch::jit::Module m("Fit");
+    m.register_parameter("w", torch::zeros({3, 1}, torch::kFloat64), false);
+    m.define(source);
+    m.save(tmp.file(name));
+    return tmp.file(name);
+  };
+  const std::string named = script("named.pt", R"(
+def forward(self, y, x):
+    return ((x.matmul(self.w).squeeze(1) - y) ** 2).mean()
+)");
+  const std::string single = script("single.pt", R"(
+def forward(self, batch):
+    return ((batch[:, 0:3].matmul(self.w).squeeze(1) - batch[:, 3]) ** 2).mean()
+)");
+  at::manual_seed(1);
+  const at::Tensor x = at::randn({64, 3}, at::kDouble), true_w = at::tensor({1.0, -2.0, 0.5});
+  const at::Tensor y = x.matmul(true_w);
+  save_safetensors({{"x", x}, {"y", y}}, tmp.file("xy.safetensors"));
+  write_weights({{"x", x}, {"y", y}}, tmp.file("xy.pt"));
+  save_safetensors({{"rows", at::cat({x, y.unsqueeze(1)}, 1)}}, tmp.file("rows.safetensors"));
+  auto run = [&](const std::string& model, const std::string& data, const std::string& out) {
+    return run_trainer({"--model-script",
+                        model,
+                        "--dataset",
+                        "tensors:" + data,
+                        "--dtype",
+                        "float64",
+                        "--optimizer",
+                        "sgd",
+                        "--learning-rate",
+                        "0.1",
+                        "--train-batch-size",
+                        "8",
+                        "--max-train-steps",
+                        "150",
+                        "--log-every",
+                        "0",
+                        "--threads",
+                        "1",
+                        "--output-dir",
+                        tmp.file(out),
+                        "--save-model",
+                        tmp.file(out + ".safetensors")});
+  };
+  for (const auto& [model, data, out] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {named, tmp.file("xy.safetensors"), "named"},
+           {named, tmp.file("xy.pt"), "pickled"},
+           {single, tmp.file("rows.safetensors"), "single"}}) {
+    Result r = run(model, data, out);
+    ASSERT_EQ(r.code, 0) << out << ": " << r.err;
+    const at::Tensor w = load_safetensors(tmp.file(out + ".safetensors")).at("w").flatten();
+    EXPECT_TRUE(at::allclose(w, true_w, 0, 1e-3)) << out << ": " << w;
+  }
+  EXPECT_EQ(losses(tmp.file("named/metrics.jsonl")), losses(tmp.file("pickled/metrics.jsonl")));
+}
+
+// Files that do not fit the model, or are not data, are refused in one line naming the option
+// and the file, saying what the model reads.
+TEST(TrainerTensorData, UnfitFilesAreRefusedWithWhatTheModelReads) {
+  TempDir tmp;
+  auto file = [&](const std::string& name, const Named& tensors) {
+    save_safetensors(tensors, tmp.file(name));
+    return tmp.file(name);
+  };
+  auto refusal = [](TrainConfig c, const std::vector<ForwardArgument>& forward = {}) {
+    return error_of([&] { make_data(c, forward); });
+  };
+  const at::Tensor four = at::zeros({4, 2});
+  std::string p = file("uneven.safetensors", {{"input", four}, {"target", at::zeros({3})}});
+  EXPECT_EQ(refusal(mlp_config(p)),
+            "--dataset tensors:" + p +
+                ": 'target' has 3 samples (its first dimension), 'input' has 4: every tensor holds "
+                "one row per sample");
+  at::Tensor nan = four.clone();
+  nan[2][1] = NAN;
+  p = file("nan.safetensors", {{"input", nan}, {"target", at::zeros({4})}});
+  EXPECT_EQ(refusal(mlp_config(p)),
+            "--dataset tensors:" + p +
+                ": 'input' holds values that are not finite (NaN or Inf): a NaN sample makes the "
+                "loss NaN; clean or drop those samples");
+  p = file("scalar.safetensors", {{"input", four}, {"target", at::zeros({})}});
+  EXPECT_EQ(refusal(mlp_config(p)), "--dataset tensors:" + p +
+                                        ": 'target' is a scalar: every tensor's first dimension "
+                                        "counts the samples");
+  p = file("wide.safetensors", {{"input", at::zeros({4, 3})}, {"target", at::zeros({4})}});
+  EXPECT_EQ(refusal(mlp_config(p)),
+            "--dataset tensors:" + p +
+                ": 'input' is [4, 3] Float; the mlp reads 'input' [samples, 2] (--model-width) and "
+                "'target' [samples, 1], both floating-point (give --model-width 3)");
+
+  TrainConfig c = mlp_config(file("tokens.safetensors", {{"t", at::full({4, 9}, 7, at::kLong)}}));
+  c.model = "transformer", c.seq_len = 16, c.vocab_size = 8;
+  EXPECT_EQ(refusal(c), "--dataset tensors:" + c.dataset_path +
+                            ": 't' has shape [4, 9]; the transformer reads one tensor of token ids "
+                            "[samples, 17] (--seq-len + 1: input and next tokens) (give --seq-len "
+                            "8)");
+  c.seq_len = 8, c.vocab_size = 7;
+  EXPECT_EQ(refusal(c), "--dataset tensors:" + c.dataset_path +
+                            ": 't' holds token id 7, outside --vocab-size 7 (ids 0 to 6)");
+
+  c = mlp_config(file("xz.safetensors", {{"x", four}, {"z", four}}));
+  c.model_script = "m.pt";
+  EXPECT_EQ(refusal(c, {{"x", false}, {"y", false}}),
+            "--dataset tensors:" + c.dataset_path +
+                " holds 'z', which the model script's forward(x, y) has no argument of: name the "
+                "file's tensors after forward's arguments");
+  c.dataset_path = file("x.safetensors", {{"x", four}});
+  EXPECT_EQ(refusal(c, {{"x", false}, {"y", false}}),
+            "--dataset tensors:" + c.dataset_path +
+                " has no 'y' for the model script's forward(x, y): name the file's tensors after "
+                "forward's arguments");
+  EXPECT_EQ(refusal(c, {{"mask", false}, {"x", true}}),
+            "--dataset tensors:" + c.dataset_path +
+                " has no 'mask' for the model script's forward(mask, x=...): name the file's "
+                "tensors after forward's arguments");
+
+  c.dataset_path = tmp.write("notes.txt", "not tensors at all");
+  EXPECT_EQ(refusal(c, {{"x", false}}),
+            "--dataset tensors:" + c.dataset_path +
+                " is neither a safetensors file nor a torch.save'd file: give a safetensors file "
+                "or a torch.save'd {name: tensor} dict of samples");
+
+  // The trainer: exit 2, one line, nothing written.
+  const Result r =
+      run_trainer({"--optimizer", "sgd", "--dataset", "tensors:" + tmp.file("uneven.safetensors"),
+                   "--output-dir", tmp.file("out")});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err.rfind("trainer: error: --dataset tensors:", 0), 0u) << r.err;
+  EXPECT_EQ(testing::count_lines(r.err), 1) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
+}
+
+}  // namespace
+}  // namespace fusebox::trainer

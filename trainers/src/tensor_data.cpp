@@ -1,0 +1,364 @@
+#include "tensor_data.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "fusebox/core/checkpoint.h"
+#include "fusebox/core/safetensors.h"
+#include "fusebox/error.h"
+#include "launch.h"
+#include "read_crash_guard.h"
+
+namespace fusebox::trainer {
+
+namespace {
+
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+// How the model reads a batch's rows.
+enum class Layout {
+  kScriptInput,      // one tensor, forward's only argument
+  kScriptArguments,  // forward's arguments by name
+  kTokens,           // transformer: input and next tokens of one sequence
+  kRegression,       // mlp: input and target
+  kImages,           // denoiser: clean images; noise and timesteps drawn
+};
+
+// "[8] float32" for a tensor of [N, 8] floats: one sample's shape and the type.
+std::string sample_text(const at::Tensor& t) {
+  return c10::str(t.sizes().slice(1)) + " " + std::string(c10::toString(t.scalar_type()));
+}
+
+// Every tensor in the file, by name.
+std::map<std::string, at::Tensor> read_tensors(const std::string& where, const std::string& path) {
+  const std::string head = read_file_head(path);
+  if (looks_like_checkpoint(head))
+    throw Error(where +
+                " is a fusebox checkpoint, not data: give a safetensors file or a torch.save'd "
+                "{name: tensor} dict of samples");
+  if (looks_like_safetensors(head) || is_safetensors_path(path)) return load_safetensors(path);
+  // torch.save writes a zip archive.
+  if (head.rfind("PK\x03\x04", 0) != 0)
+    throw Error(where +
+                " is neither a safetensors file nor a torch.save'd file: give a safetensors file "
+                "or a torch.save'd {name: tensor} dict of samples");
+  // torch's pickle format, whose reader may crash on a malformed file.
+  const ReadCrashGuard guard(error_line(where +
+                                        " cannot be read: LibTorch's reader crashed on it (a "
+                                        "malformed file); write it again with torch.save or "
+                                        "safetensors.torch.save_file"));
+  return load_model_weights(path);
+}
+
+// The checks every tensors file gets: tensors, each with a first dimension, all with the same
+// number of samples, nothing complex, every value finite. Returns the number of samples.
+int64_t check_samples(const std::string& where, const std::map<std::string, at::Tensor>& all) {
+  if (all.empty()) throw Error(where + " holds no tensors");
+  const auto& [first_name, first] = *all.begin();
+  for (const auto& [name, t] : all) {
+    const std::string what = where + ": '" + name + "'";
+    if (t.dim() == 0)
+      throw Error(what + " is a scalar: every tensor's first dimension counts the samples");
+    if (t.size(0) != first.size(0))
+      throw Error(what + " has " + std::to_string(t.size(0)) + " samples (its first dimension), '" +
+                  first_name + "' has " + std::to_string(first.size(0)) +
+                  ": every tensor holds one row per sample");
+    if (t.is_complex())
+      throw Error(what + " is " + c10::toString(t.scalar_type()) +
+                  ": the trainer reads real numbers and integers");
+    if (t.is_floating_point() && !at::isfinite(t).all().item<bool>())
+      throw Error(what +
+                  " holds values that are not finite (NaN or Inf): a NaN sample makes the "
+                  "loss NaN; clean or drop those samples");
+  }
+  if (first.size(0) == 0) throw Error(where + " holds no samples (its tensors have 0 rows)");
+  return first.size(0);
+}
+
+// "forward(x, y, mask=...)"
+std::string signature(const std::vector<ForwardArgument>& forward) {
+  std::string s = "forward(";
+  for (size_t i = 0; i < forward.size(); ++i)
+    s += (i ? ", " : "") + forward[i].name + (forward[i].has_default ? "=..." : "");
+  return s + ")";
+}
+
+// Which tensors a script model's forward takes, and how.
+Layout script_layout(const std::string& where, const std::map<std::string, at::Tensor>& all,
+                     const std::vector<ForwardArgument>& forward) {
+  const size_t required = static_cast<size_t>(std::count_if(
+      forward.begin(), forward.end(), [](const ForwardArgument& a) { return !a.has_default; }));
+  if (forward.empty())
+    throw Error(where + ": the model script's forward() takes no argument; give --dataset none");
+  std::set<std::string> names;
+  for (const ForwardArgument& a : forward) names.insert(a.name);
+  // One tensor for a forward with one argument to fill (its first): its name does not matter,
+  // unless it names another argument.
+  if (all.size() == 1 &&
+      (forward.size() == 1 || (required == 1 && !names.count(all.begin()->first))))
+    return Layout::kScriptInput;
+  for (const auto& [name, t] : all)
+    if (!names.count(name))
+      throw Error(where + " holds '" + name + "', which the model script's " + signature(forward) +
+                  " has no argument of: name the file's tensors after forward's arguments");
+  for (const ForwardArgument& a : forward)
+    if (!a.has_default && !all.count(a.name))
+      throw Error(where + " has no '" + a.name + "' for the model script's " + signature(forward) +
+                  ": name the file's tensors after forward's arguments");
+  return Layout::kScriptArguments;
+}
+
+// The one tensor of a model that reads one, or an error saying what it reads.
+const std::pair<const std::string, at::Tensor>& only_tensor(
+    const std::string& where, const std::map<std::string, at::Tensor>& all,
+    const std::string& reads) {
+  if (all.size() != 1) {
+    std::string names;
+    for (const auto& [name, t] : all) names += (names.empty() ? "'" : ", '") + name + "'";
+    throw Error(where + " holds " + std::to_string(all.size()) + " tensors (" + names + "); " +
+                reads);
+  }
+  return *all.begin();
+}
+
+// The transformer's token ids: [N, seq_len + 1] integers below the vocabulary size.
+void check_tokens(const std::string& where, const TrainConfig& c,
+                  const std::map<std::string, at::Tensor>& all) {
+  const std::string reads = "the transformer reads one tensor of token ids [samples, " +
+                            std::to_string(c.seq_len + 1) +
+                            "] (--seq-len + 1: input and next "
+                            "tokens)";
+  const auto& [name, t] = only_tensor(where, all, reads);
+  const std::string what = where + ": '" + name + "'";
+  if (t.is_floating_point() || t.scalar_type() == at::kBool)
+    throw Error(what + " is " + c10::toString(t.scalar_type()) + "; " + reads);
+  if (t.dim() != 2 || t.size(1) != c.seq_len + 1)
+    throw Error(what + " has shape " + c10::str(t.sizes()) + "; " + reads +
+                (t.dim() == 2 && t.size(1) >= 2
+                     ? " (give --seq-len " + std::to_string(t.size(1) - 1) + ")"
+                     : ""));
+  const int64_t low = t.min().item<int64_t>(), high = t.max().item<int64_t>();
+  if (low < 0 || high >= c.vocab_size)
+    throw Error(what + " holds token id " + std::to_string(low < 0 ? low : high) +
+                ", outside --vocab-size " + std::to_string(c.vocab_size) + " (ids 0 to " +
+                std::to_string(c.vocab_size - 1) + ")");
+}
+
+// The mlp's 'input' [N, width] and 'target' [N, 1] or [N], both floating.
+void check_regression(const std::string& where, const TrainConfig& c,
+                      const std::map<std::string, at::Tensor>& all) {
+  const std::string reads = "the mlp reads 'input' [samples, " + std::to_string(c.model_width) +
+                            "] (--model-width) and 'target' [samples, 1], both floating-point";
+  for (const auto& [name, t] : all)
+    if (name != "input" && name != "target") throw Error(where + " holds '" + name + "'; " + reads);
+  for (const char* name : {"input", "target"}) {
+    auto it = all.find(name);
+    if (it == all.end()) throw Error(where + " has no '" + name + "'; " + reads);
+    const at::Tensor& t = it->second;
+    const bool input = std::string(name) == "input";
+    const bool shaped = input ? t.dim() == 2 && t.size(1) == c.model_width
+                              : t.dim() == 1 || (t.dim() == 2 && t.size(1) == 1);
+    if (!t.is_floating_point() || !shaped)
+      throw Error(where + ": '" + name + "' is " + c10::str(t.sizes()) + " " +
+                  c10::toString(t.scalar_type()) + "; " + reads +
+                  (input && t.dim() == 2 && t.is_floating_point()
+                       ? " (give --model-width " + std::to_string(t.size(1)) + ")"
+                       : ""));
+  }
+}
+
+// The denoiser's images: [N, 3, S, S], floating.
+void check_images(const std::string& where, const TrainConfig& c,
+                  const std::map<std::string, at::Tensor>& all) {
+  const std::string s = std::to_string(c.image_size);
+  const std::string reads = "the denoiser reads one floating-point tensor of images [samples, " +
+                            std::to_string(kImageChannels) + ", " + s + ", " + s +
+                            "] (--image-size " + s + ") with values in [-1, 1]";
+  const auto& [name, t] = only_tensor(where, all, reads);
+  const bool square = t.dim() == 4 && t.size(1) == kImageChannels && t.size(2) == t.size(3);
+  if (!t.is_floating_point() || !square || t.size(2) != c.image_size)
+    throw Error(where + ": '" + name + "' is " + c10::str(t.sizes()) + " " +
+                c10::toString(t.scalar_type()) + "; " + reads +
+                (square && t.is_floating_point()
+                     ? " (give --image-size " + std::to_string(t.size(2)) + ")"
+                     : ""));
+}
+
+// splitmix64's finaliser: spreads the bits of a seed and an epoch over all of the 32 bits a CPU
+// generator keeps of its seed.
+uint64_t mix(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+class TensorData : public DataSource {
+ public:
+  TensorData(std::string text, Layout layout, Named columns, int64_t batch, uint64_t seed)
+      : text_(std::move(text)),
+        layout_(layout),
+        columns_(std::move(columns)),
+        samples_(columns_.front().second.size(0)),
+        batch_(batch),
+        gen_(at::detail::createCPUGenerator(seed)),
+        seed_(seed) {}
+
+  Batch next() override {
+    const at::Tensor rows = take(batch_);
+    Named picked;
+    for (const auto& [name, t] : columns_) picked.emplace_back(name, t.index_select(0, rows));
+    Batch b;
+    switch (layout_) {
+      case Layout::kScriptInput:
+        b.input = picked[0].second;
+        break;
+      case Layout::kScriptArguments:
+        b.arguments = std::move(picked);
+        break;
+      case Layout::kTokens: {
+        const at::Tensor& seq = picked[0].second;
+        const int64_t window = seq.size(1);
+        b.input = seq.slice(1, 0, window - 1);
+        b.target = seq.slice(1, 1, window);
+        break;
+      }
+      case Layout::kRegression:  // columns_: input, then target
+        b.input = picked[0].second;
+        b.target = picked[1].second.reshape({batch_, 1});
+        break;
+      case Layout::kImages:
+        b.input = picked[0].second;
+        b.noise = at::randn(b.input.sizes(), gen_, at::TensorOptions().dtype(at::kFloat));
+        b.timesteps = at::randint(kDiffusionSteps, {batch_}, gen_, at::kLong);
+        break;
+    }
+    return b;
+  }
+
+  std::string describe() const override { return text_; }
+  at::Generator& generator() override { return gen_; }
+  int64_t samples_drawn() const override { return drawn_; }
+  void set_samples_drawn(int64_t n) override { drawn_ = n, order_epoch_ = -1; }
+  void restart(uint64_t seed) override {
+    DataSource::restart(seed);
+    seed_ = seed, drawn_ = 0, order_epoch_ = -1;
+  }
+
+ private:
+  // The next `n` sample indices: the rest of this epoch's order, then the next epoch's.
+  at::Tensor take(int64_t n) {
+    at::Tensor idx = at::empty({n}, at::kLong);
+    for (int64_t filled = 0; filled < n;) {
+      const int64_t epoch = drawn_ / samples_, offset = drawn_ % samples_;
+      const int64_t k = std::min(n - filled, samples_ - offset);
+      idx.narrow(0, filled, k).copy_(order(epoch).narrow(0, offset, k));
+      filled += k, drawn_ += k;
+    }
+    return idx;
+  }
+
+  // Epoch `epoch`'s order of the samples, made from the seed and the epoch alone (not from the
+  // stream's generator), so that a resumed stream needs only the count of samples drawn.
+  const at::Tensor& order(int64_t epoch) {
+    if (epoch != order_epoch_) {
+      at::Generator g = at::detail::createCPUGenerator(
+          mix(seed_ + static_cast<uint64_t>(epoch) * 0x9E3779B97F4A7C15ull));
+      order_ = at::randperm(samples_, g, at::TensorOptions().dtype(at::kLong));
+      order_epoch_ = epoch;
+    }
+    return order_;
+  }
+
+  std::string text_;
+  Layout layout_;
+  Named columns_;  ///< the tensors the model reads, in the order it reads them
+  int64_t samples_, batch_;
+  at::Generator gen_;  ///< the denoiser's noise and timesteps
+  uint64_t seed_;
+  int64_t drawn_ = 0;
+  at::Tensor order_;
+  int64_t order_epoch_ = -1;
+};
+
+}  // namespace
+
+std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::string& label,
+                                             const std::string& path, DataPart part,
+                                             const std::vector<ForwardArgument>& forward) {
+  const std::string where = label + " tensors:" + path;
+  std::map<std::string, at::Tensor> all;
+  try {
+    all = read_tensors(where, path);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    if (what.rfind(where, 0) == 0) throw;
+    throw Error(where + ": " + what +
+                "; give a safetensors file or a torch.save'd {name: tensor} dict of samples");
+  }
+  const int64_t size = check_samples(where, all);
+
+  Layout layout = Layout::kScriptInput;
+  if (c.model_script)
+    layout = script_layout(where, all, forward);
+  else if (c.model == "transformer")
+    check_tokens(where, c, all), layout = Layout::kTokens;
+  else if (c.model == "denoiser")
+    check_images(where, c, all), layout = Layout::kImages;
+  else
+    check_regression(where, c, all), layout = Layout::kRegression;
+
+  // --eval-holdout: the file's last samples are the evaluation's, the rest the training's. Both
+  // parts are checked, whichever this stream reads, so that a run without --eval-every learns now
+  // that a resumed one could not evaluate.
+  const int64_t held = static_cast<int64_t>(std::floor(static_cast<double>(size) * part.holdout));
+  for (const bool evaluation : {false, true}) {
+    const int64_t length = evaluation ? held : size - held;
+    if (part.holdout == 0 || length >= 1) continue;
+    throw Error(where + " (" + std::to_string(size) + " samples): --eval-holdout " +
+                fraction_text(part.holdout) + " leaves no sample for " +
+                (evaluation ? "evaluation (hold out more, or give more samples)"
+                            : "training (hold out less, or give more samples)"));
+  }
+  const bool tail = part.held_out && part.holdout > 0;
+  const int64_t begin = tail ? size - held : 0, end = tail ? size : size - held;
+
+  // The columns in the order the layout reads them; the evaluation's part is copied out so that
+  // the rest of the file is freed.
+  Named columns;
+  auto add = [&](const std::string& name) {
+    at::Tensor t = all.at(name).narrow(0, begin, end - begin);
+    if (tail) t = t.clone();
+    if (layout == Layout::kTokens) t = t.to(at::kLong);
+    columns.emplace_back(name, t);
+  };
+  if (layout == Layout::kScriptArguments) {
+    for (const ForwardArgument& a : forward)
+      if (all.count(a.name)) add(a.name);
+  } else if (layout == Layout::kRegression) {
+    add("input"), add("target");
+  } else {
+    add(all.begin()->first);
+  }
+  all.clear();
+
+  std::string text = "tensors " + path + " (";
+  text += part.holdout > 0
+              ? std::string(tail ? "the last " : "the first ") + std::to_string(end - begin) +
+                    " of " + std::to_string(size) + " samples, " +
+                    (tail ? "held out for evaluation" : std::to_string(held) + " held out")
+              : std::to_string(size) + " samples";
+  text += ": ";
+  for (size_t i = 0; i < columns.size(); ++i)
+    text += (i ? ", " : "") + columns[i].first + " " + sample_text(columns[i].second);
+  text += "; shuffled each epoch)";
+  return std::make_unique<TensorData>(std::move(text), layout, std::move(columns),
+                                      c.train_batch_size, data_seed(c.seed));
+}
+
+}  // namespace fusebox::trainer

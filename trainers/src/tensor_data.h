@@ -1,0 +1,32 @@
+// --dataset tensors:PATH: training on samples of the user's own, a file of tensors whose first
+// dimension counts the samples (a safetensors file, or a {name: tensor} dict written by Python's
+// torch.save). What the model reads from it:
+//   script:      its forward's arguments, by name (one tensor may feed a one-argument forward
+//                whatever its name)
+//   transformer: one integer tensor of token ids [N, seq_len + 1] (input and next tokens)
+//   mlp:         'input' [N, width] and 'target' [N, 1] (or [N])
+//   denoiser:    one floating tensor of images [N, 3, S, S] in [-1, 1]; noise and timesteps are
+//                drawn from the stream's generator, as for synthetic images
+// Batches walk through the samples in an order shuffled anew each epoch (a permutation made from
+// the seed and the epoch's number), so every sample is seen once per epoch and a resumed run,
+// given the samples drawn so far, continues exactly where the checkpoint left off.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "data.h"
+#include "model.h"
+
+namespace fusebox::trainer {
+
+/// Reads the file at `path` (named in errors as `label` tensors:PATH), checks it against
+/// `config`'s model (`forward`: a script model's arguments) and returns the stream of `part`.
+/// Throws Error in one line saying what the file holds and what the model needs.
+std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& config, const std::string& label,
+                                             const std::string& path, DataPart part,
+                                             const std::vector<ForwardArgument>& forward);
+
+}  // namespace fusebox::trainer
