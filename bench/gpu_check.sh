@@ -215,7 +215,7 @@ done
 # Weights files with Python: torch.load (and safetensors, when installed) reads what --save-model
 # wrote; --init-weights reads what torch.save and safetensors' save_file wrote.
 PART_LOG="$OUT_DIR/weights_interop.log" part "weights files with python" 60 \
-  python3 bench/weights_interop.py "$BUILD/bin/trainer" "$OUT_DIR/weights_interop"
+  python3 tests/python/torch_interop.py "$BUILD/bin/trainer" "$OUT_DIR/weights_interop"
 tail -n 5 "$OUT_DIR/weights_interop.log"
 
 # ---- 5. Memory benchmark on the GPU: peak allocated and time per step, every mode ---------------

@@ -7,6 +7,7 @@ packages=(
   libboost-dev libboost-program-options-dev libboost-filesystem-dev
   libtomlplusplus-dev libgtest-dev libgloo-dev
   clang libclang-rt-14-dev            # sanitizer and libFuzzer builds
+  python3-torch                       # tests: files and TorchScript modules with Python's PyTorch
 )
 missing=()
 for p in "${packages[@]}"; do
