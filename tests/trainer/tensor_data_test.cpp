@@ -161,6 +161,21 @@ TEST(TrainerTensorData, TheBuiltInModelsReadTheirTensors) {
   EXPECT_EQ(b.noise.sizes(), b.input.sizes());
   EXPECT_EQ(b.timesteps.sizes(), (at::IntArrayRef{4}));
   EXPECT_TRUE(b.input.abs().le(1).all().item<bool>());
+  // 8-bit pixels: 0 is -1, 255 is 1.
+  save_safetensors({{"images", at::cat({at::zeros({1, 3, 4, 4}, at::kByte),
+                                        at::full({1, 3, 4, 4}, 255, at::kByte)})}},
+                   tmp.file("pixels.safetensors"));
+  c.dataset_path = tmp.file("pixels.safetensors"), c.train_batch_size = 2;
+  b = make_data(c)->next();
+  EXPECT_EQ(b.input.scalar_type(), at::kFloat);
+  EXPECT_EQ(std::set<float>(b.input.data_ptr<float>(), b.input.data_ptr<float>() + 96),
+            (std::set<float>{-1.0f, 1.0f}));
+  save_safetensors({{"images", at::zeros({2, 3, 8, 8}, at::kLong)}}, tmp.file("long.safetensors"));
+  c.dataset_path = tmp.file("long.safetensors");
+  EXPECT_EQ(error_of([&] { make_data(c); }),
+            "--dataset tensors:" + c.dataset_path +
+                ": 'images' is [2, 3, 8, 8] Long; the denoiser reads one tensor of images "
+                "[samples, 3, 4, 4] (--image-size 4): floating-point in [-1, 1], or uint8 pixels");
 }
 
 // A checkpoint written mid-epoch resumes the data where it stood: the resumed run's losses are

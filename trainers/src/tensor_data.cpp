@@ -173,21 +173,20 @@ void check_regression(const std::string& where, const TrainConfig& c,
   }
 }
 
-// The denoiser's images: [N, 3, S, S], floating.
+// The denoiser's images: [N, 3, S, S], floating (in [-1, 1]) or 8-bit (0 to 255).
 void check_images(const std::string& where, const TrainConfig& c,
                   const std::map<std::string, at::Tensor>& all) {
   const std::string s = std::to_string(c.image_size);
-  const std::string reads = "the denoiser reads one floating-point tensor of images [samples, " +
-                            std::to_string(kImageChannels) + ", " + s + ", " + s +
-                            "] (--image-size " + s + ") with values in [-1, 1]";
+  const std::string reads =
+      "the denoiser reads one tensor of images [samples, " + std::to_string(kImageChannels) + ", " +
+      s + ", " + s + "] (--image-size " + s + "): floating-point in [-1, 1], or uint8 pixels";
   const auto& [name, t] = only_tensor(where, all, reads);
   const bool square = t.dim() == 4 && t.size(1) == kImageChannels && t.size(2) == t.size(3);
-  if (!t.is_floating_point() || !square || t.size(2) != c.image_size)
+  const bool pixels = t.is_floating_point() || t.scalar_type() == at::kByte;
+  if (!pixels || !square || t.size(2) != c.image_size)
     throw Error(where + ": '" + name + "' is " + c10::str(t.sizes()) + " " +
                 c10::toString(t.scalar_type()) + "; " + reads +
-                (square && t.is_floating_point()
-                     ? " (give --image-size " + std::to_string(t.size(2)) + ")"
-                     : ""));
+                (square && pixels ? " (give --image-size " + std::to_string(t.size(2)) + ")" : ""));
 }
 
 // splitmix64's finaliser: spreads the bits of a seed and an epoch over all of the 32 bits a CPU
@@ -234,6 +233,8 @@ class TensorData : public DataSource {
         break;
       case Layout::kImages:
         b.input = picked[0].second;
+        if (b.input.scalar_type() == at::kByte)  // 8-bit pixels: 0 to 255 onto [-1, 1]
+          b.input = b.input.to(at::kFloat) / 127.5 - 1.0;
         b.noise = at::randn(b.input.sizes(), gen_, at::TensorOptions().dtype(at::kFloat));
         b.timesteps = at::randint(kDiffusionSteps, {batch_}, gen_, at::kLong);
         break;

@@ -5,8 +5,9 @@
 //                whatever its name)
 //   transformer: one integer tensor of token ids [N, seq_len + 1] (input and next tokens)
 //   mlp:         'input' [N, width] and 'target' [N, 1] (or [N])
-//   denoiser:    one floating tensor of images [N, 3, S, S] in [-1, 1]; noise and timesteps are
-//                drawn from the stream's generator, as for synthetic images
+//   denoiser:    one tensor of images [N, 3, S, S], floating in [-1, 1] or uint8 pixels (0 to 255,
+//                mapped onto [-1, 1]); noise and timesteps are drawn from the stream's
+//                generator, as for synthetic images
 // Batches walk through the samples in an order shuffled anew each epoch (a permutation made from
 // the seed and the epoch's number), so every sample is seen once per epoch and a resumed run,
 // given the samples drawn so far, continues exactly where the checkpoint left off.
