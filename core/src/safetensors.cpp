@@ -1,11 +1,16 @@
 #include "fusebox/core/safetensors.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <set>
 
 #include "fusebox/core/checkpoint.h"
@@ -474,6 +479,71 @@ std::map<std::string, at::Tensor> load_safetensors(const fs::path& path,
     if (!in.read(static_cast<char*>(to), static_cast<std::streamsize>(count)))
       throw Error("cannot read " + where + ": it ended early (did it change while being read?)");
   });
+}
+
+namespace {
+
+// A file mapped into memory, unmapped when the last tensor viewing it is gone.
+class Mapping {
+ public:
+  Mapping(void* base, size_t size) : base_(base), size_(size) {}
+  ~Mapping() {
+    if (size_ > 0) ::munmap(base_, size_);
+  }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  char* data() const { return static_cast<char*>(base_); }
+
+ private:
+  void* base_;
+  size_t size_;
+};
+
+}  // namespace
+
+std::map<std::string, at::Tensor> map_safetensors(const fs::path& path,
+                                                  std::map<std::string, std::string>* metadata) {
+  const std::string where = path.string();
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw Error(where + does_not_exist(ec));
+  if (!fs::is_regular_file(path, ec)) throw Error(where + " is not a regular file");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error("cannot read " + where + ": " + std::strerror(errno));
+  struct stat st {};
+  const bool stated = ::fstat(fd, &st) == 0;
+  const uint64_t total = stated ? static_cast<uint64_t>(st.st_size) : 0;
+  // Copy-on-write: a tensor written in place changes this process's copy, never the file.
+  void* base = stated && total > 0
+                   ? ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0)
+                   : nullptr;
+  const int mapping_errno = errno;
+  ::close(fd);
+  if (!stated || base == MAP_FAILED)
+    throw Error("cannot map " + where + " into memory: " + std::strerror(mapping_errno));
+  const auto mapping = std::make_shared<Mapping>(base, total);
+  const uint64_t n = header_size(mapping->data(), total, where);
+  const Header h = decode_header(std::string(mapping->data() + 8, n), total - 8 - n, where);
+  if (metadata) *metadata = h.metadata;
+  const char* data = mapping->data() + 8 + n;
+  // Aligned tensors view the mapping; the others (and those read as bools, which are checked)
+  // are copied out.
+  std::map<std::string, at::Tensor> out;
+  Header copied;
+  for (const Entry& e : h.entries) {
+    const auto address = reinterpret_cast<uintptr_t>(data + e.begin);
+    if (e.dtype == at::kBool || e.end == e.begin || address % c10::elementSize(e.dtype) != 0) {
+      copied.entries.push_back(e);
+      continue;
+    }
+    out.emplace(e.name, at::from_blob(
+                            const_cast<char*>(data + e.begin), e.shape, [mapping](void*) {},
+                            at::TensorOptions().dtype(e.dtype)));
+  }
+  for (auto& [name, t] : make_tensors(copied, where, [&](uint64_t offset, uint64_t count, void*to) {
+         std::memcpy(to, data + offset, count);
+       }))
+    out.emplace(name, std::move(t));
+  return out;
 }
 
 bool is_safetensors_path(const fs::path& path) { return path.extension() == ".safetensors"; }

@@ -160,22 +160,37 @@ TEST(Safetensors, EveryBadFileIsOneErrorNamingTheFault) {
       {file_of(R"({"m":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", "\x01\x02"),
        "is BOOL and holds a byte other than 0 or 1"},
       {file_of("[]", ""), "its header is not a JSON object"}};
+  ScratchDir dir("safetensors-bad");
   for (const auto& [file, expected] : cases) {
     const std::string& bytes = file;  // a lambda may not capture a structured binding in C++17
     const std::string e = error_of([&] { parse_safetensors(bytes, "bad.safetensors"); });
     EXPECT_EQ(e.rfind("bad.safetensors: not ", 0), 0u) << e;
     EXPECT_NE(e.find(expected), std::string::npos) << expected << "\n got: " << e;
+    // The same file mapped into memory gets the same error.
+    const std::string path = dir.file("bad.safetensors");
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    EXPECT_EQ(error_of([&] { map_safetensors(path); }),
+              error_of([&] { parse_safetensors(bytes, path); }));
   }
 
   // A file on disk cut short, and one that is not there.
-  ScratchDir dir("safetensors-bad");
   const std::string whole = encode_safetensors({{"w", at::randn({64})}});
   const std::string cut = dir.file("cut.safetensors");
   std::ofstream(cut, std::ios::binary) << whole.substr(0, whole.size() - 3);
   EXPECT_NE(error_of([&] { load_safetensors(cut); }).find("a truncated file?"), std::string::npos);
+  EXPECT_NE(error_of([&] { map_safetensors(cut); }).find("a truncated file?"), std::string::npos);
   EXPECT_NE(error_of([&] {
               load_safetensors(dir.file("none.safetensors"));
             }).find("none.safetensors does not exist"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              map_safetensors(dir.file("none.safetensors"));
+            }).find("none.safetensors does not exist"),
+            std::string::npos);
+  std::ofstream(dir.file("empty.safetensors"), std::ios::binary);
+  EXPECT_NE(error_of([&] {
+              map_safetensors(dir.file("empty.safetensors"));
+            }).find("shorter than its 8-byte header size"),
             std::string::npos);
 
   // What the format cannot hold is refused when writing.
@@ -187,6 +202,45 @@ TEST(Safetensors, EveryBadFileIsOneErrorNamingTheFault) {
               encode_safetensors({{"a", at::zeros({1})}, {"a", at::zeros({1})}});
             }).find("given twice"),
             std::string::npos);
+}
+
+// A mapped file gives the tensors a read gives, bit for bit: every dtype, a tensor whose bytes are
+// not aligned to its element size (copied out) and an empty one. Writing to a mapped tensor
+// changes this process's copy, not the file; a tensor outlives the map it came from.
+TEST(Safetensors, AMappedFileGivesWhatAReadGives) {
+  ScratchDir dir("safetensors-map");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const at::ScalarType type : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, at::kLong,
+                                    at::kInt, at::kShort, at::kChar, at::kByte, at::kBool})
+    tensors.emplace_back(c10::toString(type), (at::randn({3, 5}) * 50).to(type));
+  tensors.emplace_back("empty", at::zeros({0, 4}));
+  const std::string path = dir.file("w.safetensors");
+  save_safetensors(tensors, path);
+  const auto loaded = load_safetensors(path);
+  auto mapped = map_safetensors(path);
+  ASSERT_EQ(mapped.size(), loaded.size());
+  for (const auto& [name, t] : loaded) {
+    EXPECT_EQ(mapped.at(name).scalar_type(), t.scalar_type()) << name;
+    EXPECT_EQ(bytes_of(mapped.at(name)), bytes_of(t)) << name;
+  }
+
+  // A 61-byte header: the data start at byte 69, so the F32 tensor at offset 0 is misaligned.
+  const std::string header = R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}      )";
+  ASSERT_EQ(header.size(), 61u);
+  const float w[3] = {1.5f, -2.0f, 3.25f};
+  std::string file(8, '\0');
+  file[0] = static_cast<char>(header.size());
+  file += header + std::string(reinterpret_cast<const char*>(w), sizeof w);
+  std::ofstream(dir.file("odd.safetensors"), std::ios::binary) << file;
+  EXPECT_TRUE(at::equal(map_safetensors(dir.file("odd.safetensors")).at("w"),
+                        at::tensor({1.5f, -2.0f, 3.25f})));
+
+  at::Tensor kept = mapped.at("Float");
+  const at::Tensor before = kept.clone();
+  mapped.clear();
+  kept.add_(1.0);
+  EXPECT_TRUE(at::equal(kept, before + 1.0));
+  EXPECT_TRUE(at::equal(load_safetensors(path).at("Float"), before));
 }
 
 TEST(Safetensors, TellsItsFilesApart) {

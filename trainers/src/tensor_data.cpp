@@ -35,14 +35,21 @@ std::string sample_text(const at::Tensor& t) {
   return c10::str(t.sizes().slice(1)) + " " + std::string(c10::toString(t.scalar_type()));
 }
 
-// Every tensor in the file, by name.
-std::map<std::string, at::Tensor> read_tensors(const std::string& where, const std::string& path) {
+// Every tensor in the file, by name; `mapped` tells whether they view the file mapped into memory
+// (a safetensors file) or were read into memory (torch.save's format).
+std::map<std::string, at::Tensor> read_tensors(const std::string& where, const std::string& path,
+                                               bool& mapped) {
+  mapped = false;
   const std::string head = read_file_head(path);
   if (looks_like_checkpoint(head))
     throw Error(where +
                 " is a fusebox checkpoint, not data: give a safetensors file or a torch.save'd "
                 "{name: tensor} dict of samples");
-  if (looks_like_safetensors(head) || is_safetensors_path(path)) return load_safetensors(path);
+  // Mapped, not read: a file larger than memory trains, and local ranks share its pages.
+  if (looks_like_safetensors(head) || is_safetensors_path(path)) {
+    mapped = true;
+    return map_safetensors(path);
+  }
   // torch.save writes a zip archive.
   if (head.rfind("PK\x03\x04", 0) != 0)
     throw Error(where +
@@ -54,6 +61,24 @@ std::map<std::string, at::Tensor> read_tensors(const std::string& where, const s
                                         "malformed file); write it again with torch.save or "
                                         "safetensors.torch.save_file"));
   return load_model_weights(path);
+}
+
+// Calls `check` on consecutive pieces of `t` of at most 2^22 elements, so that checking a file
+// larger than memory makes no temporary of its size.
+template <class Check>
+void in_pieces(const at::Tensor& t, Check check) {
+  const at::Tensor flat = t.reshape({-1});
+  constexpr int64_t kPiece = int64_t{1} << 22;
+  for (int64_t i = 0; i < flat.numel(); i += kPiece)
+    check(flat.narrow(0, i, std::min(kPiece, flat.numel() - i)));
+}
+
+bool all_finite(const at::Tensor& t) {
+  bool finite = true;
+  in_pieces(t, [&](const at::Tensor& piece) {
+    finite = finite && at::isfinite(piece).all().item<bool>();
+  });
+  return finite;
 }
 
 // The checks every tensors file gets: tensors, each with a first dimension, all with the same
@@ -72,7 +97,7 @@ int64_t check_samples(const std::string& where, const std::map<std::string, at::
     if (t.is_complex())
       throw Error(what + " is " + c10::toString(t.scalar_type()) +
                   ": the trainer reads real numbers and integers");
-    if (t.is_floating_point() && !at::isfinite(t).all().item<bool>())
+    if (t.is_floating_point() && !all_finite(t))
       throw Error(what +
                   " holds values that are not finite (NaN or Inf): a NaN sample makes the "
                   "loss NaN; clean or drop those samples");
@@ -143,7 +168,11 @@ void check_tokens(const std::string& where, const TrainConfig& c,
                 (t.dim() == 2 && t.size(1) >= 2
                      ? " (give --seq-len " + std::to_string(t.size(1) - 1) + ")"
                      : ""));
-  const int64_t low = t.min().item<int64_t>(), high = t.max().item<int64_t>();
+  int64_t low = 0, high = 0;
+  in_pieces(t, [&](const at::Tensor& piece) {
+    low = std::min(low, piece.min().item<int64_t>());
+    high = std::max(high, piece.max().item<int64_t>());
+  });
   if (low < 0 || high >= c.vocab_size)
     throw Error(what + " holds token id " + std::to_string(low < 0 ? low : high) +
                 ", outside --vocab-size " + std::to_string(c.vocab_size) + " (ids 0 to " +
@@ -221,7 +250,7 @@ class TensorData : public DataSource {
         b.arguments = std::move(picked);
         break;
       case Layout::kTokens: {
-        const at::Tensor& seq = picked[0].second;
+        const at::Tensor seq = picked[0].second.to(at::kLong);  // the file's ids may be narrower
         const int64_t window = seq.size(1);
         b.input = seq.slice(1, 0, window - 1);
         b.target = seq.slice(1, 1, window);
@@ -294,8 +323,9 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
                                              const std::vector<ForwardArgument>& forward) {
   const std::string where = label + " tensors:" + path;
   std::map<std::string, at::Tensor> all;
+  bool mapped = false;
   try {
-    all = read_tensors(where, path);
+    all = read_tensors(where, path, mapped);
   } catch (const Error& e) {
     const std::string what = e.what();
     if (what.rfind(where, 0) == 0) throw;
@@ -329,13 +359,12 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
   const bool tail = part.held_out && part.holdout > 0;
   const int64_t begin = tail ? size - held : 0, end = tail ? size : size - held;
 
-  // The columns in the order the layout reads them; the evaluation's part is copied out so that
-  // the rest of the file is freed.
+  // The columns in the order the layout reads them. The evaluation's part of a file read into
+  // memory is copied out, so that the rest is not kept for it (a mapped file's pages are shared).
   Named columns;
   auto add = [&](const std::string& name) {
     at::Tensor t = all.at(name).narrow(0, begin, end - begin);
-    if (tail) t = t.clone();
-    if (layout == Layout::kTokens) t = t.to(at::kLong);
+    if (tail && !mapped) t = t.clone();
     columns.emplace_back(name, t);
   };
   if (layout == Layout::kScriptArguments) {

@@ -35,6 +35,14 @@ void save_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& ten
 std::map<std::string, at::Tensor> load_safetensors(
     const std::filesystem::path& path, std::map<std::string, std::string>* metadata = nullptr);
 
+/// The same, with the file mapped into memory (copy-on-write) instead of read: each tensor views
+/// its bytes in the mapping (one not aligned to its element size, or BOOL, is copied), so the
+/// operating system reads pages as they are used and may drop them again: a file larger than
+/// memory can be used, and processes that map one file share its pages. The file must not be
+/// shortened while mapped (a page past its new end kills the process with SIGBUS).
+std::map<std::string, at::Tensor> map_safetensors(
+    const std::filesystem::path& path, std::map<std::string, std::string>* metadata = nullptr);
+
 /// The same for a file's bytes already in memory; `where` names them in errors.
 std::map<std::string, at::Tensor> parse_safetensors(
     const std::string& bytes, const std::string& where,
