@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 #include <numeric>
+#include <regex>
 #include <set>
 #include <string>
 #include <tuple>
@@ -225,6 +226,55 @@ TEST(TrainerTensorData, AResumedRunContinuesMidEpoch) {
   ASSERT_EQ(a.size(), 12u);
   ASSERT_GE(b.size(), 7u);
   EXPECT_EQ(std::vector<double>(a.end() - 7, a.end()), std::vector<double>(b.end() - 7, b.end()));
+}
+
+// --max-train-epochs: the run's length in passes over the training samples (10 here, 8 with a
+// fifth held out), in steps of batch x accumulation samples, the last one rounded up; refused
+// without epochs to count or with --max-train-steps set too.
+TEST(TrainerTensorData, EpochsSetTheNumberOfSteps) {
+  TempDir tmp;
+  save_safetensors(numbered(), tmp.file("d.safetensors"));
+  auto steps = [&](const std::vector<std::string>& extra) {
+    const Result r = run_trainer(join({"--model-width", "2", "--optimizer", "sgd", "--dataset",
+                                       "tensors:" + tmp.file("d.safetensors"), "--log-every", "0",
+                                       "--threads", "1", "--output-dir", tmp.file("out")},
+                                      extra));
+    EXPECT_EQ(r.code, 0) << r.err;
+    std::filesystem::remove_all(tmp.file("out"));
+    std::smatch m;
+    const std::regex line("[0-9]+ epochs? of [0-9]+ samples: [0-9]+ steps");
+    return std::regex_search(r.out, m, line) ? m.str() : "(no epochs in: " + r.out + ")";
+  };
+  EXPECT_EQ(steps({"--max-train-epochs", "3", "--train-batch-size", "4"}),
+            "3 epochs of 10 samples: 8 steps");
+  EXPECT_EQ(steps({"--max-train-epochs", "3", "--train-batch-size", "2",
+                   "--gradient-accumulation-steps", "2"}),
+            "3 epochs of 10 samples: 8 steps");
+  EXPECT_EQ(steps({"--max-train-epochs", "3", "--train-batch-size", "4", "--eval-holdout", "0.2"}),
+            "3 epochs of 8 samples: 6 steps");
+  EXPECT_EQ(steps({"--max-train-epochs", "1", "--train-batch-size", "5"}),
+            "1 epoch of 10 samples: 2 steps");
+  const Result run = run_trainer({"--model-width", "2", "--optimizer", "sgd", "--dataset",
+                                  "tensors:" + tmp.file("d.safetensors"), "--max-train-epochs", "2",
+                                  "--train-batch-size", "3", "--log-every", "0", "--threads", "1",
+                                  "--output-dir", tmp.file("run")});
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_EQ(losses(tmp.file("run/metrics.jsonl")).size(), 7u);  // 20 samples in batches of 3
+
+  auto refusal = [&](const std::vector<std::string>& args) {
+    const Result r =
+        run_trainer(join({"--optimizer", "sgd", "--output-dir", tmp.file("no")}, args));
+    EXPECT_EQ(r.code, 2);
+    return r.err;
+  };
+  EXPECT_EQ(refusal({"--max-train-epochs", "2"}),
+            "trainer: error: --max-train-epochs: counts passes over a --dataset tensors:PATH "
+            "file's samples, and synthetic data have no epochs; give --max-train-steps\n");
+  EXPECT_EQ(refusal({"--dataset", "tensors:" + tmp.file("d.safetensors"), "--max-train-epochs", "2",
+                     "--max-train-steps", "5"}),
+            "trainer: error: --max-train-epochs and --max-train-steps both set the run's length: "
+            "give one (--max-train-epochs 0 switches epochs off)\n");
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("no")));
 }
 
 // A script model's forward takes the file's tensors by name, whatever the order of its arguments;

@@ -29,6 +29,9 @@ struct TrainConfig {
   std::string lr_scheduler;
   double lr_scheduler_power = 1, lr_scheduler_num_cycles = 1;
   int64_t lr_warmup_steps = 0, max_train_steps = 1, train_batch_size = 1;
+  /// --max-train-epochs (0: unset); when set, max_train_steps is worked out from it and from
+  /// epoch_samples, the training samples of the --dataset tensors: file.
+  int64_t max_train_epochs = 0, epoch_samples = 0;
   int64_t gradient_accumulation_steps = 1;
   double max_grad_norm = 0;
   GroupRules param_group_rules;  ///< --lr-scale and --no-weight-decay

@@ -95,6 +95,12 @@ std::vector<OptionSpec> build_specs() {
   at_least(add(opt("lr-warmup-steps", Kind::Int, int64_t{0}, "linear warm-up steps", "N")), 0);
   at_least(add(opt("max-train-steps", Kind::Int, int64_t{100}, "optimizer steps to train", "N")),
            1);
+  at_least(add(opt("max-train-epochs", Kind::Int, int64_t{0},
+                   "with --dataset tensors:PATH: train N passes over its training samples, "
+                   "ceil(N x samples / (batch x accumulation)) steps, instead of "
+                   "--max-train-steps (0: unset)",
+                   "N")),
+           0);
   at_least(add(opt("train-batch-size", Kind::Int, int64_t{8}, "samples per forward pass", "N")), 1);
   at_least(add(opt("gradient-accumulation-steps", Kind::Int, int64_t{1},
                    "forward/backward passes per optimizer step (normal mode only)", "N")),

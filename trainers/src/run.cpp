@@ -660,6 +660,11 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   con.out << (c.name.empty() ? "" : "[" + c.name + "] ") << "model: " << model->describe()
           << (c.gradient_checkpointing ? ", blocks recomputed in backward" : "")
           << "; data: " << data->describe()
+          << (c.max_train_epochs > 0 ? "; " + std::to_string(c.max_train_epochs) + " epoch" +
+                                           (c.max_train_epochs == 1 ? "" : "s") + " of " +
+                                           std::to_string(c.epoch_samples) + " samples: " +
+                                           std::to_string(c.max_train_steps) + " steps"
+                                     : std::string())
           << (eval_data ? "; eval: " + std::to_string(c.eval_batches) + " batches every " +
                               std::to_string(c.eval_every) + " steps" +
                               (c.eval_dataset == "text" || c.eval_dataset == "tensors"

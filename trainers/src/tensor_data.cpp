@@ -81,9 +81,21 @@ bool all_finite(const at::Tensor& t) {
   return finite;
 }
 
-// The checks every tensors file gets: tensors, each with a first dimension, all with the same
-// number of samples, nothing complex, every value finite. Returns the number of samples.
-int64_t check_samples(const std::string& where, const std::map<std::string, at::Tensor>& all) {
+// read_tensors, its errors all starting with `where`.
+std::map<std::string, at::Tensor> read_file(const std::string& where, const std::string& path,
+                                            bool& mapped) {
+  try {
+    return read_tensors(where, path, mapped);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    if (what.rfind(where, 0) == 0) throw;
+    throw Error(where + ": " + what +
+                "; give a safetensors file or a torch.save'd {name: tensor} dict of samples");
+  }
+}
+
+// The number of samples: tensors, each with a first dimension, all with the same number of rows.
+int64_t count_samples(const std::string& where, const std::map<std::string, at::Tensor>& all) {
   if (all.empty()) throw Error(where + " holds no tensors");
   const auto& [first_name, first] = *all.begin();
   for (const auto& [name, t] : all) {
@@ -94,6 +106,17 @@ int64_t check_samples(const std::string& where, const std::map<std::string, at::
       throw Error(what + " has " + std::to_string(t.size(0)) + " samples (its first dimension), '" +
                   first_name + "' has " + std::to_string(first.size(0)) +
                   ": every tensor holds one row per sample");
+  }
+  if (first.size(0) == 0) throw Error(where + " holds no samples (its tensors have 0 rows)");
+  return first.size(0);
+}
+
+// The checks every tensors file gets: count_samples's, nothing complex, every value finite.
+// Returns the number of samples.
+int64_t check_samples(const std::string& where, const std::map<std::string, at::Tensor>& all) {
+  const int64_t samples = count_samples(where, all);
+  for (const auto& [name, t] : all) {
+    const std::string what = where + ": '" + name + "'";
     if (t.is_complex())
       throw Error(what + " is " + c10::toString(t.scalar_type()) +
                   ": the trainer reads real numbers and integers");
@@ -102,8 +125,7 @@ int64_t check_samples(const std::string& where, const std::map<std::string, at::
                   " holds values that are not finite (NaN or Inf): a NaN sample makes the "
                   "loss NaN; clean or drop those samples");
   }
-  if (first.size(0) == 0) throw Error(where + " holds no samples (its tensors have 0 rows)");
-  return first.size(0);
+  return samples;
 }
 
 // "forward(x, y, mask=...)"
@@ -322,16 +344,8 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
                                              const std::string& path, DataPart part,
                                              const std::vector<ForwardArgument>& forward) {
   const std::string where = label + " tensors:" + path;
-  std::map<std::string, at::Tensor> all;
   bool mapped = false;
-  try {
-    all = read_tensors(where, path, mapped);
-  } catch (const Error& e) {
-    const std::string what = e.what();
-    if (what.rfind(where, 0) == 0) throw;
-    throw Error(where + ": " + what +
-                "; give a safetensors file or a torch.save'd {name: tensor} dict of samples");
-  }
+  std::map<std::string, at::Tensor> all = read_file(where, path, mapped);
   const int64_t size = check_samples(where, all);
 
   Layout layout = Layout::kScriptInput;
@@ -389,6 +403,11 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
   text += "; shuffled each epoch)";
   return std::make_unique<TensorData>(std::move(text), layout, std::move(columns),
                                       c.train_batch_size, data_seed(c.seed));
+}
+
+int64_t tensors_sample_count(const std::string& where, const std::string& path) {
+  bool mapped = false;
+  return count_samples(where, read_file(where, path, mapped));
 }
 
 }  // namespace fusebox::trainer

@@ -30,4 +30,8 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& config, const st
                                              const std::string& path, DataPart part,
                                              const std::vector<ForwardArgument>& forward);
 
+/// The number of samples in the tensors file at `path` (named `where` in errors): the first
+/// dimension its tensors share. A safetensors file is mapped, not read, for it.
+int64_t tensors_sample_count(const std::string& where, const std::string& path);
+
 }  // namespace fusebox::trainer
