@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <mutex>
 #include <set>
 
 #include "fusebox/core/checkpoint.h"
@@ -30,7 +29,7 @@ enum class Layout {
   kImages,           // denoiser: clean images; noise and timesteps drawn
 };
 
-// "[8] float32" for a tensor of [N, 8] floats: one sample's shape and the type.
+// "[8] Float" for a tensor of [N, 8] floats: one sample's shape, and the type.
 std::string sample_text(const at::Tensor& t) {
   return c10::str(t.sizes().slice(1)) + " " + std::string(c10::toString(t.scalar_type()));
 }
