@@ -8,6 +8,7 @@
 
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/distributed.h"
+#include "fusebox/core/safetensors.h"
 #include "trainer_test_util.h"
 
 using namespace fusebox::trainer::testing;
@@ -164,6 +165,51 @@ def forward(self, x):
   const auto b = fusebox::load_checkpoint(d.file("resumed") + "/checkpoint-00000006.fbx");
   EXPECT_TRUE(identical(a.model, b.model));
   EXPECT_TRUE(identical(a.buffers, b.buffers));
+}
+
+// --dataset tensors: with a script model taking them by name: each rank trains on its rows of
+// every named tensor of the global batch, so two ranks train like one process over the whole
+// batch (float64 rounding only), and a job resumed mid-epoch ends where the uninterrupted one
+// does.
+TEST(TrainerDistributed, TensorsDataShardEveryNamedArgumentAndResumeMidEpoch) {
+  if (!fusebox::distributed_available()) GTEST_SKIP() << "built without c10d";
+  TempDir d;
+  torch::jit::Module m("Fit");
+  m.register_parameter("w", torch::zeros({3, 1}, torch::kFloat64), false);
+  m.register_buffer("rows", torch::zeros({1}, torch::kFloat64));  // rows seen (rank 0's is kept)
+  m.define(R"(
+def forward(self, y, x):
+    assert x.size(0) == y.size(0)
+    self.rows = self.rows + x.size(0)
+    return ((x.matmul(self.w).squeeze(1) - y) ** 2).mean()
+)");
+  m.save(d.file("fit.pt"));
+  torch::manual_seed(2);
+  const at::Tensor x = torch::randn({13, 3}, torch::kFloat64);
+  fusebox::save_safetensors(
+      {{"x", x}, {"y", x.matmul(torch::tensor({1.0, -1.0, 2.0}, torch::kFloat64))}},
+      d.file("xy.safetensors"));
+  const std::string base = "--model-script " + d.file("fit.pt") +
+                           " --dataset tensors:" + d.file("xy.safetensors") +
+                           " --dtype float64 --threads 1 --optimizer adamw --learning-rate 0.05 "
+                           "--train-batch-size 4 --max-train-steps 8";
+  Result one = train(d, "one", base);
+  ASSERT_EQ(one.code, 0) << one.err;
+  Result two = train(d, "two", base + " --nproc-per-node 2 --save-every-n-steps 5");
+  ASSERT_EQ(two.code, 0) << two.err;
+  EXPECT_LT(max_diff(weights(d, "two"), weights(d, "one")), 1e-10);
+  auto rows = [&](const std::string& name) {
+    return fusebox::load_checkpoint(fusebox::list_checkpoints(d.file(name)).back())
+        .buffers.at("rows")
+        .item<double>();
+  };
+  EXPECT_EQ(rows("one"), 32.0);  // 8 steps of 4 rows
+  EXPECT_EQ(rows("two"), 16.0);  // each rank its 2 rows of every batch
+  Result resumed =
+      train(d, "resumed",
+            base + " --nproc-per-node 2 --resume " + d.file("two") + "/checkpoint-00000005.fbx");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_TRUE(identical(weights(d, "resumed"), weights(d, "two")));
 }
 
 // A script model whose rows choose the parameters they use: wa for rows with x0 > 0, wb (another
