@@ -546,6 +546,57 @@ std::map<std::string, at::Tensor> map_safetensors(const fs::path& path,
   return out;
 }
 
+std::map<std::string, at::Tensor> map_safetensors_index(const fs::path& index) {
+  const std::string where = index.string();
+  std::error_code ec;
+  if (!fs::exists(index, ec)) throw Error(where + does_not_exist(ec));
+  if (!fs::is_regular_file(index, ec)) throw Error(where + " is not a regular file");
+  const uint64_t size = fs::file_size(index, ec);
+  if (ec || size > kMaxHeaderBytes)
+    throw Error(where + ": not a safetensors index: larger than 100 MiB");
+  std::ifstream in(index, std::ios::binary);
+  std::string text(size, '\0');
+  if (!in || !in.read(text.data(), static_cast<std::streamsize>(size)))
+    throw Error("cannot read " + where + ": " + std::strerror(errno));
+  const std::string bad = where + ": not a safetensors index: ";
+  const Json root = JsonParser(text, where).document();
+  const Json* weight_map = root.kind == Json::Kind::Object ? member(root, "weight_map") : nullptr;
+  if (!weight_map || weight_map->kind != Json::Kind::Object)
+    throw Error(bad + "it has no \"weight_map\" object (tensor name -> file)");
+  // Every shard once, mapped; each listed tensor from its shard.
+  std::map<std::string, std::map<std::string, at::Tensor>> shards;
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, file] : weight_map->members) {
+    if (file.kind != Json::Kind::String)
+      throw Error(bad + "the file of '" + name + "' is not a string");
+    const fs::path shard(file.text);
+    // Hugging Face's indexes name files beside them; anything else could reach any file.
+    if (shard.empty() || shard != shard.filename() || file.text == "." || file.text == "..")
+      throw Error(bad + "'" + name + "' is in '" + file.text +
+                  "', which is not a file name beside the index");
+    auto it = shards.find(file.text);
+    if (it == shards.end())
+      it = shards.emplace(file.text, map_safetensors(index.parent_path() / shard)).first;
+    auto t = it->second.find(name);
+    if (t == it->second.end())
+      throw Error(bad + "it puts '" + name + "' in " + file.text + ", which does not hold it");
+    out.emplace(name, t->second);
+  }
+  // A shard's tensor the index does not list: files of two different models, or a stale index.
+  for (const auto& [file, tensors] : shards)
+    for (const auto& [name, t] : tensors)
+      if (!out.count(name))
+        throw Error(bad + file + " holds '" + name + "', which the index does not list");
+  return out;
+}
+
+bool is_safetensors_index_path(const fs::path& path) {
+  const std::string name = path.filename().string();
+  const std::string suffix = ".safetensors.index.json";
+  return name.size() > suffix.size() &&
+         name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 bool is_safetensors_path(const fs::path& path) { return path.extension() == ".safetensors"; }
 
 bool looks_like_safetensors(const std::string& head) {

@@ -243,6 +243,58 @@ TEST(Safetensors, AMappedFileGivesWhatAReadGives) {
   EXPECT_TRUE(at::equal(load_safetensors(path).at("Float"), before));
 }
 
+// A model in two files and an index (Hugging Face's sharded layout) reads as the one model; an
+// index that names a file elsewhere, puts a tensor in a file without it, leaves a file's tensor
+// out or names a missing file is one Error naming the index or file.
+TEST(Safetensors, AShardedModelReadsThroughItsIndex) {
+  ScratchDir dir("safetensors-index");
+  const at::Tensor a = at::randn({4, 3}), b = at::randn({5}), c = at::arange(6);
+  save_safetensors({{"layer.0.weight", a}, {"layer.0.bias", b}},
+                   dir.file("model-00001-of-00002.safetensors"));
+  save_safetensors({{"head.weight", c}}, dir.file("model-00002-of-00002.safetensors"));
+  auto index = [&](const std::string& weight_map) {
+    const std::string path = dir.file("model.safetensors.index.json");
+    std::ofstream(path, std::ios::trunc)
+        << R"({"metadata": {"total_size": 132}, "weight_map": {)" << weight_map << "}}\n";
+    return path;
+  };
+  const std::string whole =
+      R"("layer.0.weight": "model-00001-of-00002.safetensors",
+         "layer.0.bias": "model-00001-of-00002.safetensors",
+         "head.weight": "model-00002-of-00002.safetensors")";
+  const auto t = map_safetensors_index(index(whole));
+  ASSERT_EQ(t.size(), 3u);
+  EXPECT_TRUE(at::equal(t.at("layer.0.weight"), a));
+  EXPECT_TRUE(at::equal(t.at("layer.0.bias"), b));
+  EXPECT_TRUE(at::equal(t.at("head.weight"), c));
+  EXPECT_TRUE(is_safetensors_index_path(dir.file("model.safetensors.index.json")));
+  EXPECT_FALSE(is_safetensors_index_path(dir.file("model.safetensors")));
+  EXPECT_FALSE(is_safetensors_index_path(dir.file(".safetensors.index.json")));
+
+  const std::string path = dir.file("model.safetensors.index.json");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"("layer.0.weight": "../model-00001-of-00002.safetensors")",
+       "'layer.0.weight' is in '../model-00001-of-00002.safetensors', which is not a file name "
+       "beside the index"},
+      {R"("layer.0.weight": "model-00002-of-00002.safetensors")",
+       "it puts 'layer.0.weight' in model-00002-of-00002.safetensors, which does not hold it"},
+      {R"("head.weight": "model-00002-of-00002.safetensors",
+          "layer.0.weight": "model-00001-of-00002.safetensors")",
+       "model-00001-of-00002.safetensors holds 'layer.0.bias', which the index does not list"},
+      {R"("head.weight": 3)", "the file of 'head.weight' is not a string"},
+      {R"("head.weight": "model-00003-of-00002.safetensors")",
+       "model-00003-of-00002.safetensors does not exist"}};
+  for (const auto& [weight_map, expected] : cases) {
+    const std::string e = error_of([&] { map_safetensors_index(index(weight_map)); });
+    EXPECT_NE(e.find(expected), std::string::npos) << expected << "\n got: " << e;
+  }
+  std::ofstream(path, std::ios::trunc) << R"({"metadata": {}})";
+  EXPECT_EQ(error_of([&] { map_safetensors_index(path); }),
+            path +
+                ": not a safetensors index: it has no \"weight_map\" object (tensor name -> "
+                "file)");
+}
+
 TEST(Safetensors, TellsItsFilesApart) {
   EXPECT_TRUE(looks_like_safetensors(encode_safetensors({{"w", at::zeros({1})}})));
   EXPECT_FALSE(looks_like_safetensors(std::string("PK\x03\x04", 4) + std::string(8, '\0')));

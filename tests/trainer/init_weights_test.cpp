@@ -90,6 +90,29 @@ TEST_F(TrainerInitWeights, TheRunStartsFromTheFilesValues) {
   }
 }
 
+// A model in two safetensors files with Hugging Face's index: --init-weights INDEX reads every
+// tensor from its file.
+TEST_F(TrainerInitWeights, AShardedSafetensorsModelIsReadThroughItsIndex) {
+  std::vector<std::pair<std::string, at::Tensor>> first, second;
+  std::string weight_map;
+  for (const auto& [name, t] : weights) {
+    const bool one = first.size() <= second.size();
+    (one ? first : second).emplace_back(name, t);
+    weight_map += std::string(weight_map.empty() ? "" : ", ") + "\"" + name + "\": \"model-0000" +
+                  (one ? "1" : "2") + "-of-00002.safetensors\"";
+  }
+  save_safetensors(first, tmp.file("model-00001-of-00002.safetensors"));
+  save_safetensors(second, tmp.file("model-00002-of-00002.safetensors"));
+  const std::string index = tmp.file("model.safetensors.index.json");
+  std::ofstream(index) << "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {" << weight_map
+                       << "}}";
+  const Result r =
+      run_trainer(join(mlp(tmp.file("sharded"), 1), {"--init-weights", index, "--lr-scale", "*=0",
+                                                     "--save-model", tmp.file("sharded.pt")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same(weights, load_model_weights(tmp.file("sharded.pt")), "sharded");
+}
+
 // --save-model PATH.safetensors writes the same tensors in safetensors, and --init-weights reads
 // that format too (told by the file's first bytes, whatever its name).
 TEST_F(TrainerInitWeights, SafetensorsFilesAreWrittenAndRead) {

@@ -22,6 +22,8 @@ using Named = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Every tensor the file holds, by name; `step` is set for a checkpoint.
 std::map<std::string, at::Tensor> read_saved(const std::string& path, int64_t* step) {
+  // A model in several safetensors files: the index names each tensor's file.
+  if (is_safetensors_index_path(path)) return map_safetensors_index(path);
   const std::string head = read_file_head(path);
   if (looks_like_checkpoint(head)) {
     Checkpoint ckpt = load_checkpoint(path);  // its own reader: checks every length
@@ -30,8 +32,9 @@ std::map<std::string, at::Tensor> read_saved(const std::string& path, int64_t* s
     all.insert(ckpt.buffers.begin(), ckpt.buffers.end());
     return all;
   }
-  // The safetensors reader checks every range itself.
-  if (looks_like_safetensors(head) || is_safetensors_path(path)) return load_safetensors(path);
+  // The safetensors reader checks every range itself. Mapped, not read: each tensor's pages are
+  // read as it is copied into the model, and need not all be in memory at once.
+  if (looks_like_safetensors(head) || is_safetensors_path(path)) return map_safetensors(path);
   // Anything else is read as torch's pickle format, whose reader may crash on a malformed file.
   const ReadCrashGuard guard(error_line(
       "--init-weights: " + path +

@@ -43,6 +43,13 @@ std::map<std::string, at::Tensor> load_safetensors(
 std::map<std::string, at::Tensor> map_safetensors(
     const std::filesystem::path& path, std::map<std::string, std::string>* metadata = nullptr);
 
+/// The tensors of a model saved in several safetensors files (Hugging Face's sharded format): the
+/// index, `NAME.safetensors.index.json`, maps each tensor's name ("weight_map") to the file beside
+/// it that holds it. Each file is mapped as map_safetensors maps it. Throws Error naming the index
+/// or file: a file name that is not beside the index, a tensor missing from its file, a tensor of
+/// a file that the index does not list, and each fault of a file.
+std::map<std::string, at::Tensor> map_safetensors_index(const std::filesystem::path& index);
+
 /// The same for a file's bytes already in memory; `where` names them in errors.
 std::map<std::string, at::Tensor> parse_safetensors(
     const std::string& bytes, const std::string& where,
@@ -54,5 +61,8 @@ bool looks_like_safetensors(const std::string& head);
 
 /// True if `path` names a safetensors file (it ends in .safetensors).
 bool is_safetensors_path(const std::filesystem::path& path);
+
+/// True if `path` names a sharded safetensors index (it ends in .safetensors.index.json).
+bool is_safetensors_index_path(const std::filesystem::path& path);
 
 }  // namespace fusebox
