@@ -113,6 +113,34 @@ TEST_F(TrainerInitWeights, AShardedSafetensorsModelIsReadThroughItsIndex) {
   expect_same(weights, load_model_weights(tmp.file("sharded.pt")), "sharded");
 }
 
+// A file saved from a DistributedDataParallel and torch.compile wrapper ("module._orig_mod."
+// before every name) loads with the prefixes removed, and the header says so; a file with only
+// some names prefixed is refused.
+TEST_F(TrainerInitWeights, AWrappersPrefixIsRemoved) {
+  Weights prefixed;
+  for (const auto& [name, t] : weights) prefixed["module._orig_mod." + name] = t;
+  save(prefixed, tmp.file("wrapped.pt"));
+  Result r = run_trainer(
+      join(mlp(tmp.file("wrapped"), 1), {"--init-weights", tmp.file("wrapped.pt"), "--lr-scale",
+                                         "*=0", "--save-model", tmp.file("unwrapped.pt")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("6 parameter tensors (the file's names lose a wrapper's prefix "
+                       "'module._orig_mod.')"),
+            std::string::npos)
+      << r.out;
+  expect_same(weights, load_model_weights(tmp.file("unwrapped.pt")), "unwrapped");
+
+  Weights some = weights;
+  some["module.head.bias"] = some["head.bias"];
+  some.erase("head.bias");
+  save(some, tmp.file("some.pt"));
+  r = run_trainer(join(mlp(tmp.file("some"), 1), {"--init-weights", tmp.file("some.pt")}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("holds 'module.head.bias', which this model has no parameter or buffer of"),
+            std::string::npos)
+      << r.err;
+}
+
 // --save-model PATH.safetensors writes the same tensors in safetensors, and --init-weights reads
 // that format too (told by the file's first bytes, whatever its name).
 TEST_F(TrainerInitWeights, SafetensorsFilesAreWrittenAndRead) {
@@ -339,8 +367,6 @@ TEST_F(TrainerInitWeights, AFileThatDoesNotFitIsRefusedInOneLine) {
   missing.erase("head.bias");
   Weights extra = weights;
   extra["head2.weight"] = at::zeros({2});
-  Weights prefixed;
-  for (const auto& [name, t] : weights) prefixed["module." + name] = t;
   Weights nan = weights;
   nan["layers.1.weight"] = nan["layers.1.weight"].clone();
   nan["layers.1.weight"][0][0] = std::numeric_limits<float>::quiet_NaN();
@@ -353,7 +379,6 @@ TEST_F(TrainerInitWeights, AFileThatDoesNotFitIsRefusedInOneLine) {
        "--init-weights-strict=false keeps the initialisation of parameters the file "
        "lacks)"},
       {extra, "holds 'head2.weight', which this model has no parameter or buffer of"},
-      {prefixed, "the names carry a wrapper's prefix: save the inner module's state_dict"},
       {nan, "parameter 'layers.1.weight' holds values that are not finite"},
       {ints, "parameter 'head.bias' is Long, this model's is Float"}};
   int n = 0;

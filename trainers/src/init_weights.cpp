@@ -71,6 +71,31 @@ void check_one(const std::string& path, const std::string& what, const std::stri
                 "diverged; start from an earlier file");
 }
 
+// A DistributedDataParallel wrapper saves its module's names under "module.", torch.compile's
+// under "_orig_mod." (or both): when every name of the file carries such a prefix and none is the
+// model's as it stands, the prefixes are removed. Returns what was removed ("" if nothing).
+std::string strip_wrapper_prefixes(std::map<std::string, at::Tensor>& saved,
+                                   const std::set<std::string>& known) {
+  for (const auto& [name, t] : saved)
+    if (known.count(name)) return "";
+  std::string removed;
+  for (bool again = true; again && !saved.empty();) {
+    again = false;
+    for (const std::string prefix : {"module.", "_orig_mod."}) {
+      const bool all = std::all_of(saved.begin(), saved.end(), [&](const auto& entry) {
+        return entry.first.size() > prefix.size() && entry.first.rfind(prefix, 0) == 0;
+      });
+      if (!all) continue;
+      std::map<std::string, at::Tensor> stripped;
+      for (auto& [name, t] : saved) stripped.emplace(name.substr(prefix.size()), std::move(t));
+      saved = std::move(stripped);
+      removed += prefix;
+      again = true;
+    }
+  }
+  return removed;
+}
+
 }  // namespace
 
 std::string load_initial_weights(const std::string& path, Model& model, bool strict) {
@@ -87,6 +112,7 @@ std::string load_initial_weights(const std::string& path, Model& model, bool str
   std::set<std::string> known;
   for (const Named* list : {&params, &buffers})
     for (const auto& [name, t] : *list) known.insert(name);
+  const std::string removed = strip_wrapper_prefixes(saved, known);
 
   std::vector<std::string> unknown, missing;
   for (const auto& [name, t] : saved)
@@ -96,15 +122,11 @@ std::string load_initial_weights(const std::string& path, Model& model, bool str
   // A file that shares no parameter with the model is the wrong file, strict or not.
   const bool disjoint = missing.size() == params.size();
   if (!unknown.empty() && (strict || disjoint)) {
-    // A DistributedDataParallel or torch.compile wrapper prefixes every name.
-    const bool wrapped = unknown.size() == saved.size() && (unknown[0].rfind("module.", 0) == 0 ||
-                                                            unknown[0].rfind("_orig_mod.", 0) == 0);
-    throw Error("--init-weights: " + path + " holds " + some_names(unknown) +
-                ", which this model has no parameter or buffer of" +
-                (wrapped ? " (the names carry a wrapper's prefix: save the inner module's "
-                           "state_dict)"
-                         : ": is it the weights of another model? (--list-params shows this "
-                           "model's names)"));
+    throw Error(
+        "--init-weights: " + path + " holds " + some_names(unknown) +
+        (removed.empty() ? "" : " (its names without a wrapper's prefix '" + removed + "')") +
+        ", which this model has no parameter or buffer of: is it the weights of another "
+        "model? (--list-params shows this model's names)");
   }
   if (!missing.empty() && (strict || disjoint))
     throw Error("--init-weights: " + path + " has no " + some_names(missing) +
@@ -139,6 +161,7 @@ std::string load_initial_weights(const std::string& path, Model& model, bool str
       path + (step >= 0 ? " (the model of checkpoint step " + std::to_string(step) + ")" : "") +
       ": " + count(params.size() - missing.size(), "parameter tensor");
   if (buffers_taken > 0) out += ", " + count(buffers_taken, "buffer");
+  if (!removed.empty()) out += " (the file's names lose a wrapper's prefix '" + removed + "')";
   if (!missing.empty())
     out += "; initialised by the model (not in the file): " + some_names(missing);
   if (!buffers_kept.empty())
