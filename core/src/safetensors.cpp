@@ -457,12 +457,22 @@ std::map<std::string, at::Tensor> parse_safetensors(const std::string& bytes,
   });
 }
 
+namespace {
+
+// Refuses a path that is not there or not a regular file (a folder, a pipe), naming it.
+void require_regular_file(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw Error(path.string() + does_not_exist(ec));
+  if (!fs::is_regular_file(path, ec)) throw Error(path.string() + " is not a regular file");
+}
+
+}  // namespace
+
 std::map<std::string, at::Tensor> load_safetensors(const fs::path& path,
                                                    std::map<std::string, std::string>* metadata) {
   const std::string where = path.string();
+  require_regular_file(path);
   std::error_code ec;
-  if (!fs::exists(path, ec)) throw Error(where + does_not_exist(ec));
-  if (!fs::is_regular_file(path, ec)) throw Error(where + " is not a regular file");
   const uint64_t total = fs::file_size(path, ec);
   std::ifstream in(path, std::ios::binary);
   if (ec || !in) throw Error("cannot read " + where + ": " + std::strerror(errno));
@@ -504,9 +514,7 @@ class Mapping {
 std::map<std::string, at::Tensor> map_safetensors(const fs::path& path,
                                                   std::map<std::string, std::string>* metadata) {
   const std::string where = path.string();
-  std::error_code ec;
-  if (!fs::exists(path, ec)) throw Error(where + does_not_exist(ec));
-  if (!fs::is_regular_file(path, ec)) throw Error(where + " is not a regular file");
+  require_regular_file(path);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error("cannot read " + where + ": " + std::strerror(errno));
   struct stat st {};
@@ -548,9 +556,8 @@ std::map<std::string, at::Tensor> map_safetensors(const fs::path& path,
 
 std::map<std::string, at::Tensor> map_safetensors_index(const fs::path& index) {
   const std::string where = index.string();
+  require_regular_file(index);
   std::error_code ec;
-  if (!fs::exists(index, ec)) throw Error(where + does_not_exist(ec));
-  if (!fs::is_regular_file(index, ec)) throw Error(where + " is not a regular file");
   const uint64_t size = fs::file_size(index, ec);
   if (ec || size > kMaxHeaderBytes)
     throw Error(where + ": not a safetensors index: larger than 100 MiB");
