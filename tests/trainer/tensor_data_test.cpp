@@ -400,6 +400,14 @@ TEST(TrainerTensorData, UnfitFilesAreRefusedWithWhatTheModelReads) {
                 " has no 'mask' for the model script's forward(mask, x=...): name the file's "
                 "tensors after forward's arguments");
 
+  // Data that give forward one tensor, for a forward that needs two: refused before training.
+  TrainConfig synthetic = mlp_config("");
+  synthetic.model_script = "m.pt", synthetic.dataset = "synthetic";
+  EXPECT_EQ(refusal(synthetic, {{"y", false}, {"x", false}, {"weight", true}}),
+            "--dataset synthetic gives the model script's forward one tensor, and it needs 2 (y, "
+            "x): give --dataset tensors:PATH with tensors named after them");
+  EXPECT_EQ(refusal(synthetic, {{"x", false}, {"weight", true}}), "(no error)");
+
   c.dataset_path = tmp.write("notes.txt", "not tensors at all");
   EXPECT_EQ(refusal(c, {{"x", false}}),
             "--dataset tensors:" + c.dataset_path +

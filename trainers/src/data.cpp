@@ -227,8 +227,21 @@ std::unique_ptr<DataSource> make_stream(const TrainConfig& c, bool evaluation,
   const std::string& path = evaluation ? c.eval_dataset_path : c.dataset_path;
   const DataPart part{c.eval_holdout, evaluation};
   if (dataset == "none") return std::make_unique<NoData>();
-  if (dataset == "tensors")
-    return make_tensor_data(c, evaluation ? "--eval-dataset" : "--dataset", path, part, forward);
+  const std::string label = evaluation ? "--eval-dataset" : "--dataset";
+  if (dataset == "tensors") return make_tensor_data(c, label, path, part, forward);
+  // The other data give a script's forward one tensor: one that needs more is told now, not at
+  // its first step.
+  std::vector<std::string> required;
+  for (const ForwardArgument& a : forward)
+    if (!a.has_default) required.push_back(a.name);
+  if (c.model_script && required.size() > 1) {
+    std::string names;
+    for (const std::string& name : required) names += (names.empty() ? "" : ", ") + name;
+    throw Error(label + " " + dataset +
+                " gives the model script's forward one tensor, and it needs " +
+                std::to_string(required.size()) + " (" + names + "): give " + label +
+                " tensors:PATH with tensors named after them");
+  }
   if (c.model_script) {
     if (dataset == "text")
       return std::make_unique<TextData>(path, b, c.seq_len + 1, c.seed, false, part);
