@@ -284,7 +284,8 @@ TEST(Safetensors, AShardedModelReadsThroughItsIndex) {
       {R"("head.weight": 3)", "the file of 'head.weight' is not a string"},
       {R"("head.weight": "model-00003-of-00002.safetensors")",
        "model-00003-of-00002.safetensors does not exist"}};
-  for (const auto& [weight_map, expected] : cases) {
+  for (const auto& [entries, expected] : cases) {
+    const std::string& weight_map = entries;  // a lambda may not capture a structured binding
     const std::string e = error_of([&] { map_safetensors_index(index(weight_map)); });
     EXPECT_NE(e.find(expected), std::string::npos) << expected << "\n got: " << e;
   }
