@@ -23,6 +23,7 @@
 #include "launch.h"
 #include "options.h"
 #include "run.h"
+#include "tensor_data.h"
 #include "toml_io.h"
 
 #ifndef FUSEBOX_VERSION
@@ -247,6 +248,7 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     PlannedRun p;
     try {
       p.config = resolve_config(merged, e.name);
+      set_steps_from_epochs(p.config);  // reads the data file: not part of resolving the config
       p.config.resolved_config = write_config(merged, {});
       p.plugin = load_plugin(p.config);
       p.hyperparams = plugin_hyperparams(p.config, *p.plugin);

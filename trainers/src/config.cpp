@@ -1,6 +1,5 @@
 #include "config.h"
 
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -9,7 +8,6 @@
 #include "fusebox/core/safetensors.h"
 #include "fusebox/core/suggest.h"
 #include "fusebox/error.h"
-#include "tensor_data.h"
 
 namespace fusebox::trainer {
 
@@ -290,7 +288,8 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
                   " both choose the evaluation's data: give one of them");
     c.eval_holdout = *holdout;
   }
-  // --max-train-epochs: the run's length in passes over the training samples.
+  // --max-train-epochs: the run's length in passes over the training samples (the steps are
+  // worked out from the file by set_steps_from_epochs, when the run is planned).
   c.max_train_epochs = r.get<int64_t>("max-train-epochs");
   if (c.max_train_epochs > 0) {
     const std::string label = r.label("max-train-epochs");
@@ -301,17 +300,6 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
       throw Error(label + " and " + r.label("max-train-steps") +
                   " both set the run's length: give one (--max-train-epochs 0 switches epochs "
                   "off)");
-    const int64_t samples =
-        tensors_sample_count("--dataset tensors:" + c.dataset_path, c.dataset_path);
-    c.epoch_samples =
-        samples - static_cast<int64_t>(std::floor(static_cast<double>(samples) * c.eval_holdout));
-    const int64_t per_step = c.train_batch_size * c.gradient_accumulation_steps;
-    if (c.epoch_samples <= 0)
-      throw Error(label + ": " + r.label("eval-holdout") + " leaves no sample to train on");
-    if (c.max_train_epochs > (int64_t{1} << 62) / c.epoch_samples)
-      throw Error(label + ": " + std::to_string(c.max_train_epochs) + " epochs of " +
-                  std::to_string(c.epoch_samples) + " samples are more steps than a run can take");
-    c.max_train_steps = (c.max_train_epochs * c.epoch_samples + per_step - 1) / per_step;
   }
 
   c.output_dir = r.get<std::string>("output-dir");

@@ -404,9 +404,21 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
                                       c.train_batch_size, data_seed(c.seed));
 }
 
-int64_t tensors_sample_count(const std::string& where, const std::string& path) {
+void set_steps_from_epochs(TrainConfig& c) {
+  if (c.max_train_epochs <= 0) return;
+  const std::string where = "--dataset tensors:" + c.dataset_path;
   bool mapped = false;
-  return count_samples(where, read_file(where, path, mapped));
+  const int64_t samples = count_samples(where, read_file(where, c.dataset_path, mapped));
+  c.epoch_samples =
+      samples - static_cast<int64_t>(std::floor(static_cast<double>(samples) * c.eval_holdout));
+  const int64_t per_step = c.train_batch_size * c.gradient_accumulation_steps;
+  if (c.epoch_samples <= 0)
+    throw Error(where + " (" + std::to_string(samples) + " samples): --eval-holdout " +
+                fraction_text(c.eval_holdout) + " leaves no sample to train on");
+  if (c.max_train_epochs > (int64_t{1} << 62) / c.epoch_samples)
+    throw Error("--max-train-epochs: " + std::to_string(c.max_train_epochs) + " epochs of " +
+                std::to_string(c.epoch_samples) + " samples are more steps than a run can take");
+  c.max_train_steps = (c.max_train_epochs * c.epoch_samples + per_step - 1) / per_step;
 }
 
 }  // namespace fusebox::trainer
