@@ -10,9 +10,8 @@
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
-#include "launch.h"
 #include "model.h"
-#include "read_crash_guard.h"
+#include "tensor_file.h"
 
 namespace fusebox::trainer {
 
@@ -32,15 +31,12 @@ std::map<std::string, at::Tensor> read_saved(const std::string& path, int64_t* s
     all.insert(ckpt.buffers.begin(), ckpt.buffers.end());
     return all;
   }
-  // The safetensors reader checks every range itself. Mapped, not read: each tensor's pages are
-  // read as it is copied into the model, and need not all be in memory at once.
-  if (looks_like_safetensors(head) || is_safetensors_path(path)) return map_safetensors(path);
-  // Anything else is read as torch's pickle format, whose reader may crash on a malformed file.
-  const ReadCrashGuard guard(error_line(
-      "--init-weights: " + path +
-      " cannot be read: LibTorch's reader crashed on it (a malformed file); write it again with "
-      "--save-model or torch.save(model.state_dict(), path)"));
-  return load_model_weights(path);
+  // A safetensors file is mapped: each tensor's pages are read as it is copied into the model.
+  return read_tensor_file(path, head,
+                          "--init-weights: " + path +
+                              " cannot be read: LibTorch's reader crashed on it (a malformed "
+                              "file); write it again with --save-model or "
+                              "torch.save(model.state_dict(), path)");
 }
 
 // "'a', 'b' and 3 more"
@@ -65,7 +61,7 @@ void check_one(const std::string& path, const std::string& what, const std::stri
     throw Error(where + " is " + c10::toString(saved.scalar_type()) + ", this model's is " +
                 c10::toString(live.scalar_type()) +
                 ": an integer tensor and a floating one are not the same weights");
-  if (c10::isFloatingType(saved.scalar_type()) && !at::isfinite(saved).all().item<bool>())
+  if (c10::isFloatingType(saved.scalar_type()) && !all_finite(saved))
     throw Error(where +
                 " holds values that are not finite (NaN or Inf): the run that wrote it "
                 "diverged; start from an earlier file");

@@ -11,8 +11,7 @@
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
-#include "launch.h"
-#include "read_crash_guard.h"
+#include "tensor_file.h"
 
 namespace fusebox::trainer {
 
@@ -35,49 +34,27 @@ std::string sample_text(const at::Tensor& t) {
 }
 
 // Every tensor in the file, by name; `mapped` tells whether they view the file mapped into memory
-// (a safetensors file) or were read into memory (torch.save's format).
+// (a safetensors file: a file larger than memory trains, and local ranks share its pages) or were
+// read into memory (torch.save's format).
 std::map<std::string, at::Tensor> read_tensors(const std::string& where, const std::string& path,
                                                bool& mapped) {
-  mapped = false;
   const std::string head = read_file_head(path);
   if (looks_like_checkpoint(head))
     throw Error(where +
                 " is a fusebox checkpoint, not data: give a safetensors file or a torch.save'd "
                 "{name: tensor} dict of samples");
-  // Mapped, not read: a file larger than memory trains, and local ranks share its pages.
-  if (looks_like_safetensors(head) || is_safetensors_path(path)) {
-    mapped = true;
-    return map_safetensors(path);
-  }
   // torch.save writes a zip archive.
-  if (head.rfind("PK\x03\x04", 0) != 0)
+  if (!looks_like_safetensors(head) && !is_safetensors_path(path) &&
+      head.rfind("PK\x03\x04", 0) != 0)
     throw Error(where +
                 " is neither a safetensors file nor a torch.save'd file: give a safetensors file "
                 "or a torch.save'd {name: tensor} dict of samples");
-  // torch's pickle format, whose reader may crash on a malformed file.
-  const ReadCrashGuard guard(error_line(where +
-                                        " cannot be read: LibTorch's reader crashed on it (a "
-                                        "malformed file); write it again with torch.save or "
-                                        "safetensors.torch.save_file"));
-  return load_model_weights(path);
-}
-
-// Calls `check` on consecutive pieces of `t` of at most 2^22 elements, so that checking a file
-// larger than memory makes no temporary of its size.
-template <class Check>
-void in_pieces(const at::Tensor& t, Check check) {
-  const at::Tensor flat = t.reshape({-1});
-  constexpr int64_t kPiece = int64_t{1} << 22;
-  for (int64_t i = 0; i < flat.numel(); i += kPiece)
-    check(flat.narrow(0, i, std::min(kPiece, flat.numel() - i)));
-}
-
-bool all_finite(const at::Tensor& t) {
-  bool finite = true;
-  in_pieces(t, [&](const at::Tensor& piece) {
-    finite = finite && at::isfinite(piece).all().item<bool>();
-  });
-  return finite;
+  return read_tensor_file(path, head,
+                          where +
+                              " cannot be read: LibTorch's reader crashed on it (a malformed "
+                              "file); write it again with torch.save or "
+                              "safetensors.torch.save_file",
+                          &mapped);
 }
 
 // read_tensors, its errors all starting with `where`.

@@ -1,0 +1,31 @@
+#include "tensor_file.h"
+
+#include <ATen/ATen.h>
+
+#include "fusebox/core/checkpoint.h"
+#include "fusebox/core/safetensors.h"
+#include "launch.h"
+#include "read_crash_guard.h"
+
+namespace fusebox::trainer {
+
+std::map<std::string, at::Tensor> read_tensor_file(const std::string& path, const std::string& head,
+                                                   const std::string& crash_line, bool* mapped) {
+  // The safetensors reader checks every range itself. Mapped, not read: pages are read as they
+  // are used and need not all be in memory at once.
+  const bool safetensors = looks_like_safetensors(head) || is_safetensors_path(path);
+  if (mapped) *mapped = safetensors;
+  if (safetensors) return map_safetensors(path);
+  const ReadCrashGuard guard(error_line(crash_line));
+  return load_model_weights(path);
+}
+
+bool all_finite(const at::Tensor& t) {
+  bool finite = true;
+  in_pieces(t, [&](const at::Tensor& piece) {
+    finite = finite && at::isfinite(piece).all().item<bool>();
+  });
+  return finite;
+}
+
+}  // namespace fusebox::trainer

@@ -1,0 +1,35 @@
+// Files of named tensors the trainer reads (--init-weights, --dataset tensors:): one way to read
+// them, and one way to check their values, for both.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace fusebox::trainer {
+
+/// The tensors of the file at `path`, whose first bytes are `head` (read_file_head): a safetensors
+/// file (told by its bytes or its name) is mapped into memory (map_safetensors), anything else is
+/// read as torch.save's {name: tensor} dict under a ReadCrashGuard whose line is `crash_line`
+/// (LibTorch's reader may crash on a malformed file). `mapped`, when given, says which it was.
+std::map<std::string, at::Tensor> read_tensor_file(const std::string& path, const std::string& head,
+                                                   const std::string& crash_line,
+                                                   bool* mapped = nullptr);
+
+/// Calls `check` on consecutive pieces of `t` of at most 2^22 elements, so that checking a file
+/// larger than memory makes no temporary of its size.
+template <class Check>
+void in_pieces(const at::Tensor& t, Check check) {
+  const at::Tensor flat = t.reshape({-1});
+  constexpr int64_t kPiece = int64_t{1} << 22;
+  for (int64_t i = 0; i < flat.numel(); i += kPiece)
+    check(flat.narrow(0, i, std::min(kPiece, flat.numel() - i)));
+}
+
+/// True if every value of the floating tensor `t` is finite (checked in_pieces).
+bool all_finite(const at::Tensor& t);
+
+}  // namespace fusebox::trainer
