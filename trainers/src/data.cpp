@@ -229,20 +229,18 @@ std::unique_ptr<DataSource> make_stream(const TrainConfig& c, bool evaluation,
   if (dataset == "none") return std::make_unique<NoData>();
   const std::string label = evaluation ? "--eval-dataset" : "--dataset";
   if (dataset == "tensors") return make_tensor_data(c, label, path, part, forward);
-  // The other data give a script's forward one tensor: one that needs more is told now, not at
-  // its first step.
-  std::vector<std::string> required;
-  for (const ForwardArgument& a : forward)
-    if (!a.has_default) required.push_back(a.name);
-  if (c.model_script && required.size() > 1) {
-    std::string names;
-    for (const std::string& name : required) names += (names.empty() ? "" : ", ") + name;
-    throw Error(label + " " + dataset +
-                " gives the model script's forward one tensor, and it needs " +
-                std::to_string(required.size()) + " (" + names + "): give " + label +
-                " tensors:PATH with tensors named after them");
-  }
   if (c.model_script) {
+    // The other data give a script's forward one tensor: one that needs more is told now, not
+    // at its first step.
+    std::string required;
+    int64_t count = 0;
+    for (const ForwardArgument& a : forward)
+      if (!a.has_default) required += (count++ ? ", " : "") + a.name;
+    if (count > 1)
+      throw Error(label + " " + dataset +
+                  " gives the model script's forward one tensor, and it needs " +
+                  std::to_string(count) + " (" + required + "): give " + label +
+                  " tensors:PATH with tensors named after them");
     if (dataset == "text")
       return std::make_unique<TextData>(path, b, c.seq_len + 1, c.seed, false, part);
     return std::make_unique<GaussianData>(b, c.model_width, c.seed);
