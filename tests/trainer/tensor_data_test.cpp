@@ -407,6 +407,9 @@ TEST(TrainerTensorData, UnfitFilesAreRefusedWithWhatTheModelReads) {
             "--dataset synthetic gives the model script's forward one tensor, and it needs 2 (y, "
             "x): give --dataset tensors:PATH with tensors named after them");
   EXPECT_EQ(refusal(synthetic, {{"x", false}, {"weight", true}}), "(no error)");
+  EXPECT_EQ(refusal(c, {}), "--dataset tensors:" + c.dataset_path +
+                                " gives the model script's forward data, and it takes no argument "
+                                "(it makes its own data): give --dataset none");
 
   c.dataset_path = tmp.write("notes.txt", "not tensors at all");
   EXPECT_EQ(refusal(c, {{"x", false}}),

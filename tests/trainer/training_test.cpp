@@ -4,6 +4,7 @@
 #include <torch/script.h>
 
 #include <cmath>
+#include <filesystem>
 
 #include "fusebox/core/checkpoint.h"
 #include "trainer_test_util.h"
@@ -267,6 +268,25 @@ def forward(self, x):
   expect_learns(losses(dir.file("own/metrics.jsonl")), 0.5);
   torch::jit::Module trained = torch::jit::load(dir.file("trained.pt"));
   EXPECT_LT((trained.attr("w").toTensor() - 3.0).abs().max().item<double>(), 1.0);
+
+  // A forward without arguments makes its own data: it trains with --dataset none, and other
+  // data, which it would leave unused, are refused before training.
+  const std::string no_input = write_script(dir, R"(
+def forward(self):
+    return ((self.w + self.b - 1.0) ** 2).sum()
+)");
+  r = run_trainer(join(plugin_args("sgd.so"),
+                       {"--model-script", no_input, "--dataset", "none", "--learning-rate", "0.05",
+                        "--max-train-steps", "20", "--output-dir", dir.file("no_input")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_learns(losses(dir.file("no_input/metrics.jsonl")), 0.5);
+  r = run_trainer(join(plugin_args("sgd.so"), {"--model-script", no_input, "--output-dir",
+                                               dir.file("no_input_synthetic")}));
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err,
+            "trainer: error: --dataset synthetic gives the model script's forward data, and it "
+            "takes no argument (it makes its own data): give --dataset none\n");
+  EXPECT_FALSE(std::filesystem::exists(dir.file("no_input_synthetic")));
 
   // A file that is not TorchScript: one line naming it.
   const std::string junk = dir.write("junk.pt", "not a model");

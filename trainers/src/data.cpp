@@ -228,6 +228,12 @@ std::unique_ptr<DataSource> make_stream(const TrainConfig& c, bool evaluation,
   const DataPart part{c.eval_holdout, evaluation};
   if (dataset == "none") return std::make_unique<NoData>();
   const std::string label = evaluation ? "--eval-dataset" : "--dataset";
+  // A forward without arguments makes its own data: data given to it would go unused.
+  if (c.model_script && forward.empty())
+    throw Error(label + " " + dataset + (path.empty() ? "" : ":" + path) +
+                " gives the model script's forward data, and it takes no argument (it makes its "
+                "own data): give " +
+                label + " none");
   if (dataset == "tensors") return make_tensor_data(c, label, path, part, forward);
   if (c.model_script) {
     // The other data give a script's forward one tensor: one that needs more is told now, not

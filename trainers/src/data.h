@@ -55,8 +55,9 @@ class DataSource {
   virtual void restart(uint64_t seed);
 };
 
-/// The data for `config`'s model and dataset; `forward` (a script model's arguments) says what a
-/// --dataset tensors: file must hold. Throws Error naming an unreadable or unsuitable file.
+/// The data for `config`'s model and dataset; `forward` (a script model's arguments; none: a
+/// script that makes its own data, which only --dataset none suits) says what a --dataset
+/// tensors: file must hold. Throws Error naming an unreadable or unsuitable file.
 std::unique_ptr<DataSource> make_data(const TrainConfig& config,
                                       const std::vector<ForwardArgument>& forward = {});
 

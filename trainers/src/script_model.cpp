@@ -30,7 +30,10 @@ std::string script_error(const std::string& what) {
 
 class ScriptModel : public Model {
  public:
-  ScriptModel(torch::jit::Module m, std::string path) : m_(std::move(m)), path_(std::move(path)) {}
+  ScriptModel(torch::jit::Module m, std::string path)
+      : m_(std::move(m)),
+        path_(std::move(path)),
+        takes_arguments_(m_.get_method("forward").function().getSchema().arguments().size() > 1) {}
 
   std::vector<std::pair<std::string, at::Tensor>> parameters() override {
     std::vector<std::pair<std::string, at::Tensor>> named;
@@ -64,7 +67,9 @@ class ScriptModel : public Model {
   at::Tensor loss(const Batch& b) override {
     c10::IValue out;
     try {
-      if (b.arguments.empty()) {
+      if (!takes_arguments_) {
+        out = m_.forward({});  // a module that makes its own data (--dataset none)
+      } else if (b.arguments.empty()) {
         out = m_.forward({b.input});
       } else {
         torch::jit::Kwargs kwargs;
@@ -104,6 +109,7 @@ class ScriptModel : public Model {
  private:
   torch::jit::Module m_;
   std::string path_;
+  bool takes_arguments_;  ///< forward has arguments besides self
 };
 
 // Reads the module, or throws Error saying why it cannot be.
