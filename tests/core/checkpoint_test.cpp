@@ -115,6 +115,23 @@ TEST(Checkpoint, RoundTripsEveryFieldExactly) {
     EXPECT_EQ(e.path().filename().string().rfind(".", 0), std::string::npos) << e.path();
 }
 
+// The format stays readable: a checkpoint fusebox 0.4.0's trainer wrote (adamw on a small mlp, one
+// step) loads with its counters, metadata, weights and optimizer state. A change to the header or
+// the checksum would make every checkpoint users hold read as corrupt.
+TEST(Checkpoint, AFileWrittenByFusebox040StillLoads) {
+  const Checkpoint ckpt = load_checkpoint(FUSEBOX_TEST_DATA "/checkpoint-fusebox-0.4.0.fbx");
+  EXPECT_EQ(ckpt.counters.at("step"), 1);
+  EXPECT_EQ(ckpt.meta.at("plugin"), "adamw");
+  EXPECT_EQ(ckpt.meta.at("mode"), "normal");
+  ASSERT_FALSE(ckpt.model.empty());
+  ASSERT_FALSE(ckpt.optimizer.empty());
+  for (const auto& [name, t] : ckpt.model) {
+    EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+    EXPECT_TRUE(at::isfinite(t).all().item<bool>()) << name;
+  }
+  EXPECT_EQ(ckpt.rng.count("data"), 1u);
+}
+
 TEST(Checkpoint, BadFilesGiveOneLineErrors) {
   const ScratchDir scratch("ckpt-bad");
   const fs::path& dir = scratch.path();

@@ -331,6 +331,50 @@ TEST(TrainerResume, ChangedSettingsAreNamedInAWarning) {
       << r.err;
 }
 
+// A data file that changed since the checkpoint was written is named in a warning (its size or its
+// content); the same file resumes silently, and synthetic data carry no fingerprint.
+TEST(TrainerResume, AChangedDataFileIsNamedInAWarning) {
+  TempDir tmp;
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "the quick brown fox " + std::to_string(i) + "\n";
+  const std::string data = tmp.write("data.txt", text);
+  const std::vector<std::string> on_text = {"--dataset", "text:" + data, "--save-every-n-steps",
+                                            "2"};
+  const std::string a = tmp.file("a");
+  auto r = run_trainer(with(base_args(a, "sgd", 4), on_text));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string ckpt = a + "/" + fusebox::checkpoint_name(2);
+  EXPECT_EQ(fusebox::load_checkpoint(ckpt).meta.count("data_fingerprint"), 1u);
+  const std::string warning = "trainer: warning: --resume: --dataset text:" + data +
+                              " is not the file the checkpoint's run trained on (";
+  r = run_trainer(with(base_args(tmp.file("same"), "sgd", 4), with(on_text, {"--resume", ckpt})));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err.find("is not the file"), std::string::npos) << r.err;
+
+  std::string other = text;
+  other[1000] = '#';
+  tmp.write("data.txt", other);
+  r = run_trainer(with(base_args(tmp.file("other"), "sgd", 4), with(on_text, {"--resume", ckpt})));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find(warning + "the same size, other content): training goes on over this "
+                                 "file's data, so it will not equal an uninterrupted run\n"),
+            std::string::npos)
+      << r.err;
+  tmp.write("data.txt", text + "more\n");
+  r = run_trainer(with(base_args(tmp.file("longer"), "sgd", 4), with(on_text, {"--resume", ckpt})));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find(warning + std::to_string(text.size() + 5) +
+                       " bytes, the checkpoint's run read " + std::to_string(text.size()) + ")"),
+            std::string::npos)
+      << r.err;
+
+  r = run_trainer(with(base_args(tmp.file("synthetic"), "sgd", 2), {"--save-every-n-steps", "2"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(fusebox::load_checkpoint(tmp.file("synthetic") + "/" + fusebox::checkpoint_name(2))
+                .meta.count("data_fingerprint"),
+            0u);
+}
+
 // A folder another run has written since the checkpoint (a fresh run into it) does not lend that
 // run's records as the resumed run's history: a warning, and the files start after the resume.
 TEST(TrainerResume, MetricsOfAnotherRunAreNotTakenAsTheHistory) {

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "fusebox/core/distributed.h"
+#include "fusebox/core/fingerprint.h"
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
 #include "output.h"
@@ -249,6 +250,31 @@ std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
   return "";
 }
 
+std::string data_fingerprint(const TrainConfig& c) {
+  if (c.dataset != "text" && c.dataset != "tensors") return "";
+  try {
+    return file_fingerprint(c.dataset_path).text();
+  } catch (const Error&) {
+    throw Error("--dataset " + c.dataset + ":" + c.dataset_path + " cannot be read");
+  }
+}
+
+std::string data_changed_since(const Checkpoint& ckpt, const TrainConfig& c,
+                               const std::string& fingerprint) {
+  auto it = ckpt.meta.find("data_fingerprint");
+  if (it == ckpt.meta.end() || fingerprint.empty() || it->second == fingerprint) return "";
+  FileFingerprint was, is;
+  const bool known =
+      FileFingerprint::parse(it->second, was) && FileFingerprint::parse(fingerprint, is);
+  const std::string how = !known || was.size == is.size
+                              ? "the same size, other content"
+                              : std::to_string(is.size) + " bytes, the checkpoint's run read " +
+                                    std::to_string(was.size);
+  return "--dataset " + c.dataset + ":" + c.dataset_path +
+         " is not the file the checkpoint's run trained on (" + how +
+         "): training goes on over this file's data, so it will not equal an uninterrupted run";
+}
+
 bool checkpoint_due(const TrainConfig& c, int64_t step, bool final) {
   if (c.output_dir.empty()) return false;
   return final || (c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0);
@@ -310,6 +336,8 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.meta["mode"] = ctx.mode.name();
   ckpt.meta["model"] = ctx.model.describe();
   ckpt.meta["config"] = c.resolved_config;
+  if (ctx.data_fingerprint && !ctx.data_fingerprint->empty())
+    ckpt.meta["data_fingerprint"] = *ctx.data_fingerprint;
   fs::create_directories(c.output_dir, ec);
   save_checkpoint(ckpt, path);
   mark_latest_checkpoint(path);

@@ -88,7 +88,21 @@ struct CheckpointContext {
   const std::string* last_metrics_record = nullptr;    ///< saved when given (see MetricsFiles)
   const std::optional<BestEval>* best_eval = nullptr;  ///< saved when given and set
   const ParameterEma* ema = nullptr;                   ///< --ema-decay: saved when given
+  /// The training data file's fingerprint (data_fingerprint()); saved when not empty.
+  const std::string* data_fingerprint = nullptr;
 };
+
+/// The fingerprint (fusebox::file_fingerprint's text) of the file --dataset trains on (text: or
+/// tensors:), "" for data made by the trainer (synthetic, none). Throws Error naming the option
+/// when the file cannot be read.
+std::string data_fingerprint(const TrainConfig& config);
+
+/// When the checkpoint's run trained on a file whose fingerprint differs from `fingerprint`
+/// (this run's data_fingerprint()): a warning saying how (its size, or its content) and that the
+/// run goes on over this data; "" when they match, or when either has none (synthetic data, or
+/// a checkpoint from before fingerprints were saved).
+std::string data_changed_since(const Checkpoint& ckpt, const TrainConfig& config,
+                               const std::string& fingerprint);
 
 /// Continues `scaler` from the scale a checkpoint saved (a dynamic scale goes on where it was);
 /// nothing when the checkpoint has none (written without loss scaling). A dynamic scale whose

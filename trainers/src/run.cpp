@@ -529,6 +529,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                 changed +
                                 "; this run goes on with its own settings, so it will not equal "
                                 "an uninterrupted run");
+  // The data file is fingerprinted (4 MiB read at most) so that a resumed run knows whether it
+  // goes on over the data the checkpoint's run trained on.
+  const std::string data_print = dist.leader() ? data_fingerprint(c) : "";
+  if (resumed)
+    if (const std::string changed = data_changed_since(*resumed, c, data_print); !changed.empty())
+      resume_warnings.push_back(changed);
   if (resumed && resumed->meta.count("plugin_version") &&
       resumed->meta.at("plugin_version") != plugin.info().version)
     resume_warnings.push_back(resumed_from + " was written by " + plugin.info().name + " " +
@@ -751,7 +757,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                    so.loss_scaler.get(),
                                    &files.last_record(),  // the newest metrics record
                                    &best_eval,
-                                   ema ? &*ema : nullptr};
+                                   ema ? &*ema : nullptr,
+                                   &data_print};
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]", first_step);
   end_bar_line = [&progress] { progress.finish(); };
