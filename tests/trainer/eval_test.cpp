@@ -12,6 +12,8 @@
 #include "config.h"
 #include "data.h"
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/distributed.h"
+#include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
 #include "trainer_test_util.h"
 
@@ -156,6 +158,75 @@ def forward(self, x):
   EXPECT_EQ(losses(tmp.file("plain/metrics.jsonl")), losses(tmp.file("evaluated/metrics.jsonl")));
   const std::map<int64_t, double> evals = eval_losses(tmp.file("evaluated/metrics.jsonl"));
   EXPECT_EQ(evals, (std::map<int64_t, double>{{2, 2.0}, {4, 4.0}, {5, 5.0}}));
+}
+
+// --eval-batches 0: every held-out sample once, the last batch smaller, each batch weighted by
+// its samples. The script's loss is the batch's mean of x, so the evaluation must be the mean of
+// the held-out rows exactly (batches weighted alike would give another number: the last batch
+// holds 3 of 11 samples). Two ranks and four (one of which has no batch of the pass) agree.
+TEST(TrainerEval, EvalBatchesZeroEvaluatesEveryHeldOutSampleOnce) {
+  TempDir tmp;
+  torch::jit::Module m("Mean");
+  m.register_parameter("w", torch::zeros({1}, torch::kFloat64), false);
+  m.define(R"(
+def forward(self, x):
+    return x.mean() + 0.0 * self.w.sum()
+)");
+  m.save(tmp.file("mean.pt"));
+  torch::manual_seed(3);
+  const at::Tensor x = torch::randn({23, 3}, torch::kFloat64) + 1.0;
+  save_safetensors({{"x", x}}, tmp.file("x.safetensors"));
+  const double expected = x.narrow(0, 12, 11).mean().item<double>();  // floor(23 x 0.5) held out
+  const std::vector<std::string> args = {"--model-script",
+                                         tmp.file("mean.pt"),
+                                         "--dataset",
+                                         "tensors:" + tmp.file("x.safetensors"),
+                                         "--eval-holdout",
+                                         "0.5",
+                                         "--eval-every",
+                                         "2",
+                                         "--eval-batches",
+                                         "0",
+                                         "--train-batch-size",
+                                         "4",
+                                         "--dtype",
+                                         "float64",
+                                         "--optimizer",
+                                         "sgd",
+                                         "--max-train-steps",
+                                         "2",
+                                         "--log-every",
+                                         "0",
+                                         "--threads",
+                                         "1"};
+  const Result one = run_trainer(join(args, {"--output-dir", tmp.file("one")}));
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_NE(one.out.find("; eval: every sample (3 batches) every 2 steps from tensors "),
+            std::string::npos)
+      << one.out;
+  const std::map<int64_t, double> evals = eval_losses(tmp.file("one/metrics.jsonl"));
+  ASSERT_EQ(evals.size(), 1u);
+  EXPECT_NEAR(evals.at(2), expected, 1e-12);
+  if (fusebox::distributed_available()) {
+    std::string line = "--plugin-dir " + std::string(FUSEBOX_PLUGIN_DIR);
+    for (const std::string& a : args) line += " " + a;
+    for (const std::string ranks : {"2", "4"}) {  // the program itself: only it starts ranks
+      const std::string out = tmp.file("ranks" + ranks);
+      const Result many = testing::run_program(
+          line + " --nproc-per-node " + ranks + " --output-dir " + out, tmp.str());
+      ASSERT_EQ(many.code, 0) << many.err;
+      EXPECT_NEAR(eval_losses(out + "/metrics.jsonl").at(2), expected, 1e-12) << ranks;
+    }
+  }
+
+  // Data without a pass over samples: refused before training, saying what to give.
+  const Result synthetic = run_trainer(
+      join(transformer(tmp.file("synthetic"), 1), {"--eval-every", "1", "--eval-batches", "0"}));
+  EXPECT_EQ(synthetic.code, 2);
+  EXPECT_EQ(synthetic.err,
+            "trainer: error: --eval-batches: 0 evaluates every sample of a tensors file once, and "
+            "the evaluation's data are synthetic (give --eval-dataset tensors:PATH, or --dataset "
+            "tensors:PATH with --eval-holdout F; or N >= 1 batches)\n");
 }
 
 // --eval-holdout: a text file whose first 900 bytes are 'a' and last 100 'b'. With a tenth held

@@ -139,6 +139,46 @@ TEST(TrainerTensorData, AHoldoutKeepsTheLastSamplesFromTraining) {
                 "more, or give more samples)");
 }
 
+// --eval-batches 0: one pass over the evaluation's samples in the file's order, the last batch
+// holding the rest; the denoiser's noise of a batch depends on the seed and the batch alone.
+TEST(TrainerTensorData, OnePassGivesEverySampleOnceInTheFilesOrder) {
+  TempDir tmp;
+  save_safetensors(numbered(), tmp.file("d.safetensors"));
+  TrainConfig c = mlp_config(tmp.file("d.safetensors"), 2);
+  c.eval_holdout = 0.5;
+  EvalData eval(c);
+  ASSERT_EQ(eval.pass_batches(), 3);  // samples 5 to 9 in batches of 2
+  std::vector<int64_t> seen;
+  for (int64_t i = 0; i < eval.pass_batches(); ++i) {
+    const Batch b = eval.pass_batch(i);
+    EXPECT_EQ(b.input.size(0), i < 2 ? 2 : 1) << i;
+    EXPECT_EQ(b.target.sizes(), (at::IntArrayRef{b.input.size(0), 1}));
+    for (int64_t r = 0; r < b.input.size(0); ++r)
+      seen.push_back(static_cast<int64_t>(b.target[r][0].item<float>()));
+  }
+  EXPECT_EQ(seen, range(5, 10));
+  EXPECT_EQ(make_data(mlp_config(tmp.file("d.safetensors"), 4))->pass_batches(), 3);
+
+  c = mlp_config("", 2);
+  c.model = "denoiser", c.image_size = 4;
+  save_safetensors({{"images", at::zeros({5, 3, 4, 4}, at::kByte)}}, tmp.file("i.safetensors"));
+  c.dataset_path = tmp.file("i.safetensors");
+  std::unique_ptr<DataSource> data = make_data(c);
+  const Batch last = data->pass_batch(2);
+  EXPECT_EQ(last.noise.sizes(), (at::IntArrayRef{1, 3, 4, 4}));
+  EXPECT_EQ(last.timesteps.sizes(), (at::IntArrayRef{1}));
+  const Batch first = data->pass_batch(0);
+  EXPECT_FALSE(at::equal(first.noise.narrow(0, 0, 1), last.noise));  // a batch's own noise
+  EXPECT_TRUE(at::equal(data->pass_batch(2).noise, last.noise));     // whatever came before
+  data->next();  // the training stream's draws do not touch it either
+  EXPECT_TRUE(at::equal(data->pass_batch(2).noise, last.noise));
+  data->restart(99);
+  EXPECT_FALSE(at::equal(data->pass_batch(2).noise, last.noise));  // another seed, other noise
+  EXPECT_EQ(make_data(mlp_config(tmp.file("d.safetensors")))->pass_batch(0).input.size(0), 4);
+  c.dataset = "synthetic";
+  EXPECT_EQ(make_data(c)->pass_batches(), 0);  // endless
+}
+
 // What each built-in model reads: the transformer's token ids split into input and next tokens,
 // the denoiser's images with noise and timesteps drawn.
 TEST(TrainerTensorData, TheBuiltInModelsReadTheirTensors) {

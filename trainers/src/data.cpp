@@ -33,6 +33,10 @@ void DataSource::restart(uint64_t seed) {
   gen.set_current_seed(seed);
 }
 
+Batch DataSource::pass_batch(int64_t) {
+  throw Error("the data stream " + describe() + " has no pass over its samples");
+}
+
 namespace {
 
 const at::TensorOptions kFloat = at::TensorOptions().dtype(at::kFloat);

@@ -53,6 +53,13 @@ class DataSource {
   virtual void set_samples_drawn(int64_t) {}
   /// Starts the stream again from `seed`, as a fresh stream of that seed would start.
   virtual void restart(uint64_t seed);
+  /// For a stream over a file of samples: the batches one pass over them in the file's order
+  /// takes (the last may hold fewer samples); 0 for the others, which have no end.
+  virtual int64_t pass_batches() const { return 0; }
+  /// Batch `i` of that pass (0 <= i < pass_batches()). What it draws at random (the denoiser's
+  /// noise and timesteps) comes from the seed of the last restart() and `i` alone, so any rank
+  /// may make any batch of the pass and get the same one.
+  virtual Batch pass_batch(int64_t i);
 };
 
 /// The data for `config`'s model and dataset; `forward` (a script model's arguments; none: a
@@ -72,6 +79,9 @@ class EvalData {
   /// The first of this evaluation's batches comes next.
   void rewind();
   Batch next() { return source_->next(); }
+  /// --eval-batches 0: every sample once, as the batches of one pass (see DataSource).
+  int64_t pass_batches() const { return source_->pass_batches(); }
+  Batch pass_batch(int64_t i) { return source_->pass_batch(i); }
   /// One line describing the data.
   std::string describe() const;
 

@@ -266,9 +266,9 @@ std::vector<OptionSpec> build_specs() {
            0);
   at_least(add(opt("eval-batches", Kind::Int, int64_t{4},
                    "batches of --train-batch-size samples in each evaluation (the same ones each "
-                   "time)",
+                   "time; 0: every sample of a tensors: evaluation set once)",
                    "N")),
-           1);
+           0);
   add(opt("eval-dataset", Kind::Text, {},
           "the evaluation's data, as --dataset (default: --dataset's kind, drawn from a stream "
           "of its own; give a text file of its own to hold text out)",

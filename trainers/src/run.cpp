@@ -126,6 +126,24 @@ double evaluate(Model& model, EvalData& data, const TrainConfig& c, const Distri
     ~BackToTraining() { m.set_training(true); }
   } back{model};
   data.rewind();
+  if (c.eval_batches == 0) {
+    // Every sample once: batch i of the pass goes whole to rank i % world (its last batch may be
+    // smaller than a rank count could split), and each batch's loss, a mean over its samples,
+    // counts by its samples.
+    double loss_sum = 0, samples = 0;
+    for (int64_t i = dist.config.rank; i < data.pass_batches(); i += dist.config.world_size) {
+      const Batch batch = to_device(data.pass_batch(i), device, dtype, loss_dtype);
+      AutocastGuard guard(autocast_enabled(c), device.type(), autocast_dtype(c));
+      const int64_t n =
+          batch.arguments.empty() ? batch.input.size(0) : batch.arguments.front().second.size(0);
+      loss_sum += model.loss(batch).to(at::kDouble).item<double>() * static_cast<double>(n);
+      samples += static_cast<double>(n);
+    }
+    if (!dist.comm) return loss_sum / samples;
+    at::Tensor totals = at::tensor({loss_sum, samples}, at::kDouble);
+    if (auto p = dist.comm->sum(totals)) p->wait();
+    return totals[0].item<double>() / totals[1].item<double>();
+  }
   double sum = 0;
   for (int64_t i = 0; i < c.eval_batches; ++i) {
     const Batch batch = to_device(shard(data.next(), dist.config.rank, dist.config.world_size),
@@ -671,8 +689,12 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                            std::to_string(c.epoch_samples) + " samples: " +
                                            std::to_string(c.max_train_steps) + " steps"
                                      : std::string())
-          << (eval_data ? "; eval: " + std::to_string(c.eval_batches) + " batches every " +
-                              std::to_string(c.eval_every) + " steps" +
+          << (eval_data ? "; eval: " +
+                              (c.eval_batches == 0
+                                   ? "every sample (" + std::to_string(eval_data->pass_batches()) +
+                                         " batches)"
+                                   : std::to_string(c.eval_batches) + " batches") +
+                              " every " + std::to_string(c.eval_every) + " steps" +
                               (c.eval_dataset == "text" || c.eval_dataset == "tensors"
                                    ? " from " + eval_data->describe()
                                    : "")

@@ -235,8 +235,29 @@ class TensorData : public DataSource {
         gen_(at::detail::createCPUGenerator(seed)),
         seed_(seed) {}
 
-  Batch next() override {
-    const at::Tensor rows = take(batch_);
+  Batch next() override { return batch_of(take(batch_), gen_); }
+
+  int64_t pass_batches() const override { return (samples_ + batch_ - 1) / batch_; }
+  Batch pass_batch(int64_t i) override {
+    const int64_t first = i * batch_, n = std::min(batch_, samples_ - first);
+    at::Generator g = at::detail::createCPUGenerator(
+        mix(seed_ ^ (static_cast<uint64_t>(i) + 1) * 0xD1B54A32D192ED03ull));
+    return batch_of(at::arange(first, first + n, at::TensorOptions().dtype(at::kLong)), g);
+  }
+
+  std::string describe() const override { return text_; }
+  at::Generator& generator() override { return gen_; }
+  int64_t samples_drawn() const override { return drawn_; }
+  void set_samples_drawn(int64_t n) override { drawn_ = n, order_epoch_ = -1; }
+  void restart(uint64_t seed) override {
+    DataSource::restart(seed);
+    seed_ = seed, drawn_ = 0, order_epoch_ = -1;
+  }
+
+ private:
+  // The batch of the samples `rows`; `gen` draws the denoiser's noise and timesteps.
+  Batch batch_of(const at::Tensor& rows, at::Generator& gen) const {
+    const int64_t n = rows.size(0);
     Named picked;
     for (const auto& [name, t] : columns_) picked.emplace_back(name, t.index_select(0, rows));
     Batch b;
@@ -256,29 +277,19 @@ class TensorData : public DataSource {
       }
       case Layout::kRegression:  // columns_: input, then target
         b.input = picked[0].second;
-        b.target = picked[1].second.reshape({batch_, 1});
+        b.target = picked[1].second.reshape({n, 1});
         break;
       case Layout::kImages:
         b.input = picked[0].second;
         if (b.input.scalar_type() == at::kByte)  // 8-bit pixels: 0 to 255 onto [-1, 1]
           b.input = b.input.to(at::kFloat) / 127.5 - 1.0;
-        b.noise = at::randn(b.input.sizes(), gen_, at::TensorOptions().dtype(at::kFloat));
-        b.timesteps = at::randint(kDiffusionSteps, {batch_}, gen_, at::kLong);
+        b.noise = at::randn(b.input.sizes(), gen, at::TensorOptions().dtype(at::kFloat));
+        b.timesteps = at::randint(kDiffusionSteps, {n}, gen, at::kLong);
         break;
     }
     return b;
   }
 
-  std::string describe() const override { return text_; }
-  at::Generator& generator() override { return gen_; }
-  int64_t samples_drawn() const override { return drawn_; }
-  void set_samples_drawn(int64_t n) override { drawn_ = n, order_epoch_ = -1; }
-  void restart(uint64_t seed) override {
-    DataSource::restart(seed);
-    seed_ = seed, drawn_ = 0, order_epoch_ = -1;
-  }
-
- private:
   // The next `n` sample indices: the rest of this epoch's order, then the next epoch's.
   at::Tensor take(int64_t n) {
     at::Tensor idx = at::empty({n}, at::kLong);
