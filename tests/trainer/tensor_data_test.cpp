@@ -22,6 +22,7 @@
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
+#include "tensor_data.h"
 #include "trainer_test_util.h"
 
 namespace fusebox::trainer {
@@ -137,6 +138,46 @@ TEST(TrainerTensorData, AHoldoutKeepsTheLastSamplesFromTraining) {
             "--eval-dataset tensors:" + c.dataset_path +
                 " (10 samples): --eval-holdout 0.05 leaves no sample for evaluation (hold out "
                 "more, or give more samples)");
+}
+
+// A one-dimensional tensor of token ids is a stream for the transformer: its samples are windows
+// of --seq-len + 1 ids starting every --seq-len ids (a view, not a copy), the ids after the last
+// whole window left out; epochs, holdout and --max-train-epochs count windows.
+TEST(TrainerTensorData, ATokenStreamIsReadAsWindows) {
+  TempDir tmp;
+  save_safetensors({{"ids", at::arange(43, at::kInt)}}, tmp.file("s.safetensors"));
+  TrainConfig c = mlp_config(tmp.file("s.safetensors"), 5);
+  c.model = "transformer", c.seq_len = 8, c.vocab_size = 64;
+  std::unique_ptr<DataSource> data = make_data(c);
+  const Batch b = data->next();  // one epoch: the 5 windows of (43 - 1) / 8
+  ASSERT_EQ(b.input.sizes(), (at::IntArrayRef{5, 8}));
+  EXPECT_TRUE(at::equal(b.target, b.input + 1));
+  std::set<int64_t> starts;
+  for (int64_t r = 0; r < 5; ++r) starts.insert(b.input[r][0].item<int64_t>());
+  EXPECT_EQ(starts, (std::set<int64_t>{0, 8, 16, 24, 32}));  // ids 41 and 42 left out
+  EXPECT_NE(data->describe().find("(5 samples: ids [9] Int, windows of a stream of 43 ids; "),
+            std::string::npos)
+      << data->describe();
+
+  c.eval_holdout = 0.2, c.train_batch_size = 1;
+  EvalData eval(c);
+  ASSERT_EQ(eval.pass_batches(), 1);
+  EXPECT_EQ(eval.pass_batch(0).input[0][0].item<int64_t>(), 32);  // the last window held out
+
+  c.max_train_epochs = 3, c.train_batch_size = 2;
+  set_steps_from_epochs(c);
+  EXPECT_EQ(c.epoch_samples, 4);
+  EXPECT_EQ(c.max_train_steps, 6);  // 3 x 4 windows in batches of 2
+
+  c.seq_len = 50;
+  EXPECT_EQ(error_of([&] { make_data(c); }),
+            "--dataset tensors:" + c.dataset_path +
+                ": 'ids' is a stream of 43 token ids; --seq-len 50 needs at least 51 (give "
+                "--seq-len 42)");
+  c.seq_len = 8, c.vocab_size = 40;
+  EXPECT_EQ(error_of([&] { make_data(c); }),
+            "--dataset tensors:" + c.dataset_path +
+                ": 'ids' holds token id 40, outside --vocab-size 40 (ids 0 to 39)");
 }
 
 // --eval-batches 0: one pass over the evaluation's samples in the file's order, the last batch

@@ -70,6 +70,27 @@ std::map<std::string, at::Tensor> read_file(const std::string& where, const std:
   }
 }
 
+// The transformer reads a one-dimensional tensor of token ids as one stream (a tokenized corpus):
+// its samples are windows of --seq-len + 1 ids that start every --seq-len ids, so each id is
+// predicted once, and the ids after the last whole window are left out. The windows are a view of
+// the ids (no copy; a mapped file stays mapped). Returns "" for other data, else what was done.
+std::string stream_to_windows(const std::string& where, const TrainConfig& c,
+                              std::map<std::string, at::Tensor>& all) {
+  if (c.model_script || c.model != "transformer" || all.size() != 1) return "";
+  auto& [name, t] = *all.begin();
+  if (t.dim() != 1 || t.is_floating_point() || t.is_complex() || t.scalar_type() == at::kBool)
+    return "";
+  const int64_t ids = t.size(0), window = c.seq_len + 1;
+  if (ids < window)
+    throw Error(where + ": '" + name + "' is a stream of " + std::to_string(ids) +
+                " token ids; --seq-len " + std::to_string(c.seq_len) + " needs at least " +
+                std::to_string(window) +
+                (ids >= 2 ? " (give --seq-len " + std::to_string(ids - 1) + ")" : ""));
+  const int64_t windows = (ids - 1) / c.seq_len;
+  t = t.as_strided({windows, window}, {c.seq_len * t.stride(0), t.stride(0)}, t.storage_offset());
+  return "windows of a stream of " + std::to_string(ids) + " ids";
+}
+
 // The number of samples: tensors, each with a first dimension, all with the same number of rows.
 int64_t count_samples(const std::string& where, const std::map<std::string, at::Tensor>& all) {
   if (all.empty()) throw Error(where + " holds no tensors");
@@ -117,8 +138,6 @@ Layout script_layout(const std::string& where, const std::map<std::string, at::T
                      const std::vector<ForwardArgument>& forward) {
   const size_t required = static_cast<size_t>(std::count_if(
       forward.begin(), forward.end(), [](const ForwardArgument& a) { return !a.has_default; }));
-  if (forward.empty())
-    throw Error(where + ": the model script's forward() takes no argument; give --dataset none");
   std::set<std::string> names;
   for (const ForwardArgument& a : forward) names.insert(a.name);
   // One tensor for a forward with one argument to fill (its first): its name does not matter,
@@ -333,6 +352,7 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
   const std::string where = label + " tensors:" + path;
   bool mapped = false;
   std::map<std::string, at::Tensor> all = read_file(where, path, mapped);
+  const std::string stream = stream_to_windows(where, c, all);
   const int64_t size = check_samples(where, all);
 
   Layout layout = Layout::kScriptInput;
@@ -387,7 +407,7 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
   text += ": ";
   for (size_t i = 0; i < columns.size(); ++i)
     text += (i ? ", " : "") + columns[i].first + " " + sample_text(columns[i].second);
-  text += "; shuffled each epoch)";
+  text += (stream.empty() ? "" : ", " + stream) + "; shuffled each epoch)";
   return std::make_unique<TensorData>(std::move(text), layout, std::move(columns),
                                       c.train_batch_size, data_seed(c.seed));
 }
@@ -396,7 +416,9 @@ void set_steps_from_epochs(TrainConfig& c) {
   if (c.max_train_epochs <= 0) return;
   const std::string where = "--dataset tensors:" + c.dataset_path;
   bool mapped = false;
-  const int64_t samples = count_samples(where, read_file(where, c.dataset_path, mapped));
+  std::map<std::string, at::Tensor> all = read_file(where, c.dataset_path, mapped);
+  stream_to_windows(where, c, all);
+  const int64_t samples = count_samples(where, all);
   c.epoch_samples =
       samples - static_cast<int64_t>(std::floor(static_cast<double>(samples) * c.eval_holdout));
   const int64_t per_step = c.train_batch_size * c.gradient_accumulation_steps;

@@ -3,7 +3,8 @@
 // torch.save). What the model reads from it:
 //   script:      its forward's arguments, by name (one tensor may feed a one-argument forward
 //                whatever its name)
-//   transformer: one integer tensor of token ids [N, seq_len + 1] (input and next tokens)
+//   transformer: one integer tensor of token ids [N, seq_len + 1] (input and next tokens), or one
+//                stream of ids [T] read as windows of seq_len + 1 ids every seq_len ids
 //   mlp:         'input' [N, width] and 'target' [N, 1] (or [N])
 //   denoiser:    one tensor of images [N, 3, S, S], floating in [-1, 1] or uint8 pixels (0 to 255,
 //                mapped onto [-1, 1]); noise and timesteps are drawn from the stream's

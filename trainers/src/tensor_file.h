@@ -19,14 +19,18 @@ std::map<std::string, at::Tensor> read_tensor_file(const std::string& path, cons
                                                    const std::string& crash_line,
                                                    bool* mapped = nullptr);
 
-/// Calls `check` on consecutive pieces of `t` of at most 2^22 elements, so that checking a file
-/// larger than memory makes no temporary of its size.
+/// Calls `check` on consecutive pieces of `t`, flattened: whole rows (first-dimension slices) of
+/// about 2^22 elements, at least one row, so that checking a file larger than memory makes no
+/// temporary of its size, even for a view that is not contiguous (windows of a token stream,
+/// which overlap: flattening the whole view would copy it).
 template <class Check>
 void in_pieces(const at::Tensor& t, Check check) {
-  const at::Tensor flat = t.reshape({-1});
+  if (t.numel() == 0) return;
+  if (t.dim() == 0) return check(t.reshape({-1}));
   constexpr int64_t kPiece = int64_t{1} << 22;
-  for (int64_t i = 0; i < flat.numel(); i += kPiece)
-    check(flat.narrow(0, i, std::min(kPiece, flat.numel() - i)));
+  const int64_t rows = std::max<int64_t>(1, kPiece / (t.numel() / t.size(0)));
+  for (int64_t i = 0; i < t.size(0); i += rows)
+    check(t.narrow(0, i, std::min(rows, t.size(0) - i)).reshape({-1}));
 }
 
 /// True if every value of the floating tensor `t` is finite (checked in_pieces).
