@@ -180,6 +180,63 @@ TEST(TrainerTensorData, ATokenStreamIsReadAsWindows) {
                 ": 'ids' holds token id 40, outside --vocab-size 40 (ids 0 to 39)");
 }
 
+// --save-every-n-epochs: a checkpoint after each step in which the samples drawn pass a multiple
+// of N epochs (of the training part), whatever the batch and accumulation.
+TEST(TrainerTensorData, CheckpointsFollowTheEpochs) {
+  TrainConfig c = mlp_config("x", 4);
+  c.output_dir = "out", c.epoch_samples = 10, c.save_every_n_epochs = 1;
+  auto due = [&](int64_t steps) {
+    std::vector<int64_t> out;
+    for (int64_t s = 1; s <= steps; ++s)
+      if (checkpoint_due(c, s, false)) out.push_back(s);
+    return out;
+  };
+  EXPECT_EQ(due(13), (std::vector<int64_t>{3, 5, 8, 10, 13}));  // 12, 20, 32, 40, 52 samples
+  c.save_every_n_epochs = 2;
+  EXPECT_EQ(due(13), (std::vector<int64_t>{5, 10}));
+  c.train_batch_size = 2, c.gradient_accumulation_steps = 2;  // 4 samples a step all the same
+  EXPECT_EQ(due(13), (std::vector<int64_t>{5, 10}));
+  c.train_batch_size = 25, c.gradient_accumulation_steps = 1, c.save_every_n_epochs = 1;
+  EXPECT_EQ(due(3), (std::vector<int64_t>{1, 2, 3}));  // several epochs in one step: one file
+
+  // Through the trainer: 10 samples, 2 held out, batches of 4: an epoch every 2 steps.
+  TempDir tmp;
+  save_safetensors(numbered(), tmp.file("d.safetensors"));
+  const std::vector<std::string> args = {"--optimizer",
+                                         "sgd",
+                                         "--model-width",
+                                         "2",
+                                         "--dataset",
+                                         "tensors:" + tmp.file("d.safetensors"),
+                                         "--eval-holdout",
+                                         "0.2",
+                                         "--train-batch-size",
+                                         "4",
+                                         "--max-train-steps",
+                                         "7",
+                                         "--save-every-n-epochs",
+                                         "1",
+                                         "--log-every",
+                                         "0"};
+  Result r = run_trainer(join(args, {"--output-dir", tmp.file("out")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::vector<std::string> names;
+  for (const auto& p : list_checkpoints(tmp.file("out"))) names.push_back(p.filename().string());
+  EXPECT_EQ(names, (std::vector<std::string>{checkpoint_name(2), checkpoint_name(4),
+                                             checkpoint_name(6), checkpoint_name(7)}));
+  r = run_trainer(join(args, {"--output-dir", ""}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err,
+            "trainer: error: --save-every-n-epochs: checkpoints live in --output-dir, which is "
+            "empty; give one, or --save-every-n-epochs 0\n");
+  r = run_trainer(
+      {"--optimizer", "sgd", "--save-every-n-epochs", "1", "--output-dir", tmp.file("synthetic")});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err,
+            "trainer: error: --save-every-n-epochs: counts passes over a --dataset tensors:PATH "
+            "file's samples, and synthetic data have no epochs; give --save-every-n-steps\n");
+}
+
 // --eval-batches 0: one pass over the evaluation's samples in the file's order, the last batch
 // holding the rest; the denoiser's noise of a batch depends on the seed and the batch alone.
 TEST(TrainerTensorData, OnePassGivesEverySampleOnceInTheFilesOrder) {

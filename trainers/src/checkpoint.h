@@ -115,8 +115,8 @@ std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler);
 /// size, device, more steps of a constant schedule); "" when none differ.
 std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& config);
 
-/// True when a checkpoint is saved after `step` steps: every --save-every-n-steps, and when
-/// `final`, if --output-dir is set.
+/// True when a checkpoint is saved after `step` steps: every --save-every-n-steps, after the step
+/// in which every --save-every-n-epochs-th epoch ends, and when `final`, if --output-dir is set.
 bool checkpoint_due(const TrainConfig& config, int64_t step, bool final);
 
 /// Saves a checkpoint after `step` steps when --save-every-n-steps says so or when `final`

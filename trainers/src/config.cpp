@@ -314,6 +314,11 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.output_dir = r.get<std::string>("output-dir");
   c.log_every = r.get<int64_t>("log-every");
   c.save_every_n_steps = r.get<int64_t>("save-every-n-steps");
+  c.save_every_n_epochs = r.get<int64_t>("save-every-n-epochs");
+  if (c.save_every_n_epochs > 0 && c.dataset != "tensors")
+    throw Error(r.label("save-every-n-epochs") +
+                ": counts passes over a --dataset tensors:PATH file's samples, and " + c.dataset +
+                " data have no epochs; give --save-every-n-steps");
   c.keep_last_n_checkpoints = r.get<int64_t>("keep-last-n-checkpoints");
   c.resume = r.maybe_path("resume");
   c.save_model = r.maybe_path("save-model");
@@ -351,10 +356,11 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
     throw Error(r.label("resume") + ": " + *c.resume +
                 " means the newest checkpoint in --output-dir, which is empty; give --output-dir "
                 "or a checkpoint's path");
-  if (c.save_every_n_steps > 0 && c.output_dir.empty())
-    throw Error(r.label("save-every-n-steps") +
-                ": checkpoints live in --output-dir, which is empty; give one, or "
-                "--save-every-n-steps 0");
+  for (const char* every : {"save-every-n-steps", "save-every-n-epochs"})
+    if (r.get<int64_t>(every) > 0 && c.output_dir.empty())
+      throw Error(r.label(every) +
+                  ": checkpoints live in --output-dir, which is empty; give one, " + "or --" +
+                  every + " 0");
   if (c.save_model) {
     fs::path parent = fs::path(*c.save_model).parent_path();
     std::error_code ec;

@@ -30,7 +30,8 @@ struct TrainConfig {
   double lr_scheduler_power = 1, lr_scheduler_num_cycles = 1;
   int64_t lr_warmup_steps = 0, max_train_steps = 1, train_batch_size = 1;
   /// --max-train-epochs (0: unset); when set, max_train_steps is worked out from it and from
-  /// epoch_samples, the training samples of the --dataset tensors: file.
+  /// epoch_samples, the training samples of the --dataset tensors: file (set when the run is
+  /// planned, with --max-train-epochs or --save-every-n-epochs).
   int64_t max_train_epochs = 0, epoch_samples = 0;
   int64_t gradient_accumulation_steps = 1;
   double max_grad_norm = 0;
@@ -79,6 +80,7 @@ struct TrainConfig {
   // Output.
   std::string output_dir;
   int64_t log_every = 0, save_every_n_steps = 0, keep_last_n_checkpoints = 0;
+  int64_t save_every_n_epochs = 0;  ///< 0: off
   std::optional<std::string> resume, save_model;
   bool save_best_eval = false;  ///< --save-model-at best
   /// --save-precision: the float type --save-model writes (unset: the one trained in).

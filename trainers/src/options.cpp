@@ -295,6 +295,11 @@ std::vector<OptionSpec> build_specs() {
   at_least(add(opt("save-every-n-steps", Kind::Int, int64_t{0},
                    "save a checkpoint every N steps (0: only the final one)", "N")),
            0);
+  at_least(add(opt("save-every-n-epochs", Kind::Int, int64_t{0},
+                   "with --dataset tensors:PATH: save a checkpoint after the step in which every "
+                   "N-th pass over the training samples ends (0: never)",
+                   "N")),
+           0);
   at_least(add(opt("keep-last-n-checkpoints", Kind::Int, int64_t{0},
                    "delete older checkpoints, keeping N (0: keep all)", "N")),
            0);
