@@ -30,11 +30,24 @@ constexpr size_t kMaxRank = 64;
 struct DtypeName {
   const char* name;
   at::ScalarType type;
+  /// For the unsigned types LibTorch lacks: the signed type of the same width that carries the
+  /// file's bytes, each value then widened into `type` (U16 into int32, U32 into int64), so token
+  /// ids of a 65k vocabulary read as they are. Undefined for the others.
+  at::ScalarType carrier = at::ScalarType::Undefined;
 };
-constexpr DtypeName kDtypes[] = {{"F64", at::kDouble},    {"F32", at::kFloat}, {"F16", at::kHalf},
-                                 {"BF16", at::kBFloat16}, {"I64", at::kLong},  {"I32", at::kInt},
-                                 {"I16", at::kShort},     {"I8", at::kChar},   {"U8", at::kByte},
-                                 {"BOOL", at::kBool}};
+// The widened types come last: a tensor written out is I32 or I64, never U16 or U32.
+constexpr DtypeName kDtypes[] = {{"F64", at::kDouble},
+                                 {"F32", at::kFloat},
+                                 {"F16", at::kHalf},
+                                 {"BF16", at::kBFloat16},
+                                 {"I64", at::kLong},
+                                 {"I32", at::kInt},
+                                 {"I16", at::kShort},
+                                 {"I8", at::kChar},
+                                 {"U8", at::kByte},
+                                 {"BOOL", at::kBool},
+                                 {"U16", at::kInt, at::kShort},
+                                 {"U32", at::kLong, at::kInt}};
 
 const DtypeName* name_of(at::ScalarType type) {
   for (const DtypeName& d : kDtypes)
@@ -235,6 +248,7 @@ class JsonParser {
 struct Entry {
   std::string name;
   at::ScalarType dtype;
+  at::ScalarType carrier = at::ScalarType::Undefined;  ///< U16/U32: the file's bytes, as signed
   std::vector<int64_t> shape;
   uint64_t begin = 0, end = 0;
 };
@@ -291,11 +305,12 @@ Header decode_header(const std::string& json, uint64_t buffer_bytes, const std::
                                      [&](const DtypeName& d) { return dtype->text == d.name; });
     if (known == std::end(kDtypes))
       throw Error(tensor + "dtype '" + dtype->text +
-                  "' is not one fusebox reads (F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL)");
-    e.dtype = known->type;
+                  "' is not one fusebox reads (F64, F32, F16, BF16, I64, I32, I16, I8, U8, U16, "
+                  "U32, BOOL)");
+    e.dtype = known->type, e.carrier = known->carrier;
     if (shape->items.size() > kMaxRank)
       throw Error(tensor + "has " + std::to_string(shape->items.size()) + " dimensions");
-    uint64_t bytes = c10::elementSize(e.dtype);
+    uint64_t bytes = c10::elementSize(e.carrier == at::ScalarType::Undefined ? e.dtype : e.carrier);
     for (const Json& d : shape->items) {
       const uint64_t n = as_size(d, tensor + "a dimension");
       e.shape.push_back(static_cast<int64_t>(n));
@@ -349,8 +364,12 @@ std::map<std::string, at::Tensor> make_tensors(
     const std::function<void(uint64_t, uint64_t, void*)>& read) {
   std::map<std::string, at::Tensor> out;
   for (const Entry& e : h.entries) {
-    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    const bool widened = e.carrier != at::ScalarType::Undefined;
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(widened ? e.carrier : e.dtype));
     if (e.end > e.begin) read(e.begin, e.end - e.begin, t.data_ptr());
+    // The signed carrier's negative values are the unsigned values at and above 2^(bits - 1).
+    if (widened)
+      t = t.to(e.dtype).bitwise_and((int64_t{1} << (8 * c10::elementSize(e.carrier))) - 1);
     if (e.dtype == at::kBool) {
       const auto* b = static_cast<const unsigned char*>(t.data_ptr());
       for (uint64_t i = 0; i < e.end - e.begin; ++i)
@@ -539,7 +558,8 @@ std::map<std::string, at::Tensor> map_safetensors(const fs::path& path,
   Header copied;
   for (const Entry& e : h.entries) {
     const auto address = reinterpret_cast<uintptr_t>(data + e.begin);
-    if (e.dtype == at::kBool || e.end == e.begin || address % c10::elementSize(e.dtype) != 0) {
+    if (e.dtype == at::kBool || e.carrier != at::ScalarType::Undefined || e.end == e.begin ||
+        address % c10::elementSize(e.dtype) != 0) {
       copied.entries.push_back(e);
       continue;
     }

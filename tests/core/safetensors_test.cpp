@@ -116,6 +116,48 @@ TEST(Safetensors, ReadsAFileLaidOutByHand) {
 }
 
 // Each way a file can be wrong is one Error naming it and the fault.
+// U16 and U32 (numpy's uint16 token ids, say), which LibTorch has no type for, come back widened
+// into int32 and int64 with every value unchanged, the top of their range included, whether the
+// file is parsed, read or mapped.
+TEST(Safetensors, UnsignedTensorsAreWidenedWithTheirValues) {
+  std::string data;
+  const uint16_t u16[] = {0, 1, 32767, 32768, 65535, 50256};
+  const uint32_t u32[] = {0, 2147483647u, 2147483648u, 4294967295u};
+  data.append(reinterpret_cast<const char*>(u16), sizeof u16);
+  data.append(4, '\0');  // U32 starts aligned
+  data.append(reinterpret_cast<const char*>(u32), sizeof u32);
+  const std::string file = file_of(R"({"ids":{"dtype":"U16","shape":[2,3],"data_offsets":[0,12]},)"
+                                   R"("big":{"dtype":"U32","shape":[4],"data_offsets":[16,32]}})",
+                                   data);
+  ScratchDir dir("safetensors");
+  const std::string path = (dir.path() / "u.safetensors").string();
+  std::ofstream(path, std::ios::binary) << file;
+  for (const auto& read : std::vector<std::function<std::map<std::string, at::Tensor>()>>{
+           [&] { return parse_safetensors(file, "mem"); }, [&] { return load_safetensors(path); },
+           [&] { return map_safetensors(path); }}) {
+    const auto t = read();
+    ASSERT_EQ(t.at("ids").scalar_type(), at::kInt);
+    EXPECT_EQ(t.at("ids").sizes(), (at::IntArrayRef{2, 3}));
+    EXPECT_TRUE(at::equal(t.at("ids"),
+                          at::tensor({0, 1, 32767, 32768, 65535, 50256}, at::kInt).view({2, 3})));
+    ASSERT_EQ(t.at("big").scalar_type(), at::kLong);
+    EXPECT_TRUE(at::equal(t.at("big"), at::tensor({int64_t{0}, int64_t{2147483647},
+                                                   int64_t{2147483648}, int64_t{4294967295}},
+                                                  at::kLong)));
+  }
+  // Written back, they are the signed types that hold them.
+  const std::string again = encode_safetensors({{"ids", parse_safetensors(file, "m").at("ids")}});
+  EXPECT_NE(again.find(R"("dtype":"I32")"), std::string::npos);
+  // The widened types still need their own byte count: a U16 tensor of 4-byte elements is wrong.
+  EXPECT_NE(error_of([&] {
+              parse_safetensors(
+                  file_of(R"({"ids":{"dtype":"U16","shape":[2],"data_offsets":[0,8]}})",
+                          std::string(8, '\0')),
+                  "mem");
+            }).find("its data_offsets span 8 bytes, its dtype and shape need 4"),
+            std::string::npos);
+}
+
 TEST(Safetensors, EveryBadFileIsOneErrorNamingTheFault) {
   const std::string f32x2(8, '\0');
   const std::string ok = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";

@@ -31,13 +31,15 @@ void save_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& ten
 
 /// Reads a safetensors file into CPU tensors by name; `metadata`, when given, receives its
 /// `__metadata__`. Reads each tensor straight into its storage (no second copy of the file).
+/// Unsigned U16 and U32 tensors, which LibTorch has no type for, are widened into int32 and int64
+/// with their values unchanged (token ids of a large vocabulary); U64 and F8 are refused.
 /// Throws Error naming the file and what is wrong.
 std::map<std::string, at::Tensor> load_safetensors(
     const std::filesystem::path& path, std::map<std::string, std::string>* metadata = nullptr);
 
 /// The same, with the file mapped into memory (copy-on-write) instead of read: each tensor views
-/// its bytes in the mapping (one not aligned to its element size, or BOOL, is copied), so the
-/// operating system reads pages as they are used and may drop them again: a file larger than
+/// its bytes in the mapping (one not aligned to its element size, BOOL, U16 or U32 is copied), so
+/// the operating system reads pages as they are used and may drop them again: a file larger than
 /// memory can be used, and processes that map one file share its pages. The file must not be
 /// shortened while mapped (a page past its new end kills the process with SIGBUS).
 std::map<std::string, at::Tensor> map_safetensors(
