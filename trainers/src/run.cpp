@@ -548,8 +548,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                 "; this run goes on with its own settings, so it will not equal "
                                 "an uninterrupted run");
   // The data file is fingerprinted (4 MiB read at most) so that a resumed run knows whether it
-  // goes on over the data the checkpoint's run trained on.
-  const std::string data_print = dist.leader() ? data_fingerprint(c) : "";
+  // goes on over the data the checkpoint's run trained on (rank 0 writes and resumes the files).
+  const std::string data_print =
+      dist.leader() && (resumed || !c.output_dir.empty()) ? data_fingerprint(c) : "";
   if (resumed)
     if (const std::string changed = data_changed_since(*resumed, c, data_print); !changed.empty())
       resume_warnings.push_back(changed);
