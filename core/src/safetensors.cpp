@@ -16,6 +16,7 @@
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
+#include "mapped_file.h"
 
 namespace fusebox {
 
@@ -367,9 +368,7 @@ std::map<std::string, at::Tensor> make_tensors(
     const bool widened = e.carrier != at::ScalarType::Undefined;
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(widened ? e.carrier : e.dtype));
     if (e.end > e.begin) read(e.begin, e.end - e.begin, t.data_ptr());
-    // The signed carrier's negative values are the unsigned values at and above 2^(bits - 1).
-    if (widened)
-      t = t.to(e.dtype).bitwise_and((int64_t{1} << (8 * c10::elementSize(e.carrier))) - 1);
+    if (widened) t = detail::widen_unsigned(t, e.dtype);
     if (e.dtype == at::kBool) {
       const auto* b = static_cast<const unsigned char*>(t.data_ptr());
       for (uint64_t i = 0; i < e.end - e.begin; ++i)
@@ -476,21 +475,10 @@ std::map<std::string, at::Tensor> parse_safetensors(const std::string& bytes,
   });
 }
 
-namespace {
-
-// Refuses a path that is not there or not a regular file (a folder, a pipe), naming it.
-void require_regular_file(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) throw Error(path.string() + does_not_exist(ec));
-  if (!fs::is_regular_file(path, ec)) throw Error(path.string() + " is not a regular file");
-}
-
-}  // namespace
-
 std::map<std::string, at::Tensor> load_safetensors(const fs::path& path,
                                                    std::map<std::string, std::string>* metadata) {
   const std::string where = path.string();
-  require_regular_file(path);
+  detail::require_regular_file(path);
   std::error_code ec;
   const uint64_t total = fs::file_size(path, ec);
   std::ifstream in(path, std::ios::binary);
@@ -510,44 +498,11 @@ std::map<std::string, at::Tensor> load_safetensors(const fs::path& path,
   });
 }
 
-namespace {
-
-// A file mapped into memory, unmapped when the last tensor viewing it is gone.
-class Mapping {
- public:
-  Mapping(void* base, size_t size) : base_(base), size_(size) {}
-  ~Mapping() {
-    if (size_ > 0) ::munmap(base_, size_);
-  }
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  char* data() const { return static_cast<char*>(base_); }
-
- private:
-  void* base_;
-  size_t size_;
-};
-
-}  // namespace
-
 std::map<std::string, at::Tensor> map_safetensors(const fs::path& path,
                                                   std::map<std::string, std::string>* metadata) {
   const std::string where = path.string();
-  require_regular_file(path);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error("cannot read " + where + ": " + std::strerror(errno));
-  struct stat st {};
-  const bool stated = ::fstat(fd, &st) == 0;
-  const uint64_t total = stated ? static_cast<uint64_t>(st.st_size) : 0;
-  // Copy-on-write: a tensor written in place changes this process's copy, never the file.
-  void* base = stated && total > 0
-                   ? ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0)
-                   : nullptr;
-  const int mapping_errno = errno;
-  ::close(fd);
-  if (!stated || base == MAP_FAILED)
-    throw Error("cannot map " + where + " into memory: " + std::strerror(mapping_errno));
-  const auto mapping = std::make_shared<Mapping>(base, total);
+  const std::shared_ptr<detail::MappedFile> mapping = detail::MappedFile::open(path, where);
+  const uint64_t total = mapping->size();
   const uint64_t n = header_size(mapping->data(), total, where);
   const Header h = decode_header(std::string(mapping->data() + 8, n), total - 8 - n, where);
   if (metadata) *metadata = h.metadata;
@@ -576,7 +531,7 @@ std::map<std::string, at::Tensor> map_safetensors(const fs::path& path,
 
 std::map<std::string, at::Tensor> map_safetensors_index(const fs::path& index) {
   const std::string where = index.string();
-  require_regular_file(index);
+  detail::require_regular_file(index);
   std::error_code ec;
   const uint64_t size = fs::file_size(index, ec);
   if (ec || size > kMaxHeaderBytes)

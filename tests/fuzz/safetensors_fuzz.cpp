@@ -1,17 +1,20 @@
-// libFuzzer target: any bytes read as a safetensors file must give a fusebox::Error or tensors,
-// never a crash or an allocation beyond the input's size. Two views per input: the raw file, and
-// the input as the JSON header of a file with 64 bytes of data behind it (so the header's
-// decoder is reached without the fuzzer having to find a consistent size prefix first).
+// libFuzzer target for the tensor file readers: any bytes read as a safetensors or a .npy file
+// must give a fusebox::Error or tensors, never a crash or an allocation beyond the input's size.
+// Each reader gets two views per input: the raw file, and the input as the header of a file with
+// 64 bytes of data behind it (so the header's decoder is reached without the fuzzer having to
+// find a consistent size prefix first).
 #include <cstdint>
 #include <string>
 
+#include "fusebox/core/npy.h"
 #include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
 
 namespace {
-void try_parse(const std::string& bytes) {
+template <class Parse>
+void try_parse(Parse parse, const std::string& bytes) {
   try {
-    fusebox::parse_safetensors(bytes, "fuzz");
+    parse(bytes, "fuzz");
   } catch (const fusebox::Error&) {
   }
 }
@@ -19,11 +22,22 @@ void try_parse(const std::string& bytes) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string raw(reinterpret_cast<const char*>(data), size);
-  try_parse(raw);
+  const auto safetensors = [](const std::string& b, const std::string& w) {
+    fusebox::parse_safetensors(b, w);
+  };
+  const auto npy = [](const std::string& b, const std::string& w) { fusebox::parse_npy(b, w); };
+  try_parse(safetensors, raw);
+  try_parse(npy, raw);
   std::string framed(8, '\0');
   for (int i = 0; i < 8; ++i) framed[i] = static_cast<char>((uint64_t{size} >> (8 * i)) & 0xFF);
   framed += raw;
   framed.append(64, '\x01');
-  try_parse(framed);
+  try_parse(safetensors, framed);
+  std::string npy_framed = "\x93NUMPY\x02";
+  npy_framed += '\0';
+  for (int i = 0; i < 4; ++i) npy_framed += static_cast<char>((uint64_t{size} >> (8 * i)) & 0xFF);
+  npy_framed += raw;
+  npy_framed.append(64, '\x01');
+  try_parse(npy, npy_framed);
   return 0;
 }

@@ -5,7 +5,9 @@
 - the trainer's --init-weights reads what torch.save and a safetensors writer write;
 - a module scripted in Python (torch.jit.script) trains with --model-script on samples written by
   torch.save (--dataset tensors:), its forward taking them by name, and torch.jit.load reads the
-  trained module back with the weights the samples were made with.
+  trained module back with the weights the samples were made with;
+- arrays written by NumPy's np.save (Fortran-ordered floats, a uint16 token stream) train as
+  --dataset tensors: files.
 Run by ctest (tests/CMakeLists.txt, where a python3 imports torch: Debian's python3-torch) and by
 bench/gpu_check.sh:  python3 tests/python/torch_interop.py TRAINER FOLDER
 """
@@ -138,4 +140,38 @@ fitted = torch.jit.load(path("fitted.pt"))
 w, b = fitted.linear.weight.detach().flatten(), fitted.linear.bias.detach().item()
 assert torch.allclose(w, true_w, atol=1e-4) and abs(b - true_b) < 1e-4, f"fitted {w}, {b}"
 print(f"torch.jit.script module on torch.save'd samples: fitted {w.tolist()}, {b:.6f}")
+
+
+# ---- Arrays saved by NumPy (np.save), read mapped as --dataset tensors: ------------------------
+import numpy as np  # noqa: E402  (PyTorch needs NumPy: it is there whenever torch is)
+
+
+class Center(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, rows: torch.Tensor):
+        return ((rows - self.c) ** 2).mean()
+
+
+rows = np.asfortranarray(np.random.default_rng(1).normal([1.0, -2.0, 3.0], 0.1, (64, 3)))
+np.save(path("rows.npy"), rows.astype(np.float32))  # Fortran order: read with its strides
+torch.jit.script(Center()).save(path("center.pt"))
+out = run("--model-script", path("center.pt"), "--dataset", "tensors:" + path("rows.npy"),
+          "--optimizer", "sgd", "--learning-rate", "0.5", "--train-batch-size", "64",
+          "--max-train-steps", "60", "--output-dir", path("center"), "--save-model",
+          path("centered.pt"))
+assert "tensors " + path("rows.npy") + " (64 samples: rows [3] Float" in out, out
+c = torch.jit.load(path("centered.pt")).c.detach()
+assert torch.allclose(c, torch.tensor(rows.mean(0), dtype=torch.float32), atol=1e-4), c
+print(f"np.save'd Fortran-ordered rows: fitted their column means {c.tolist()}")
+ids = np.random.default_rng(2).integers(0, 60000, 4001).astype(np.uint16)
+assert ids.max() > 32767  # read as int16 they would be negative, and refused
+np.save(path("ids.npy"), ids)
+out = run("--model", "transformer", "--model-width", "16", "--vocab-size", "60000", "--seq-len",
+          "16", "--dataset", "tensors:" + path("ids.npy"), "--optimizer", "sgd",
+          "--max-train-steps", "2", "--output-dir", path("ids"))
+assert "(250 samples: ids [17] Int, windows of a stream of 4001 ids" in out, out
+print("np.save'd uint16 token stream: 250 windows of 17 ids")
 print("torch interop: all equal")

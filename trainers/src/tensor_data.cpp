@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <set>
 
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/npy.h"
 #include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
 #include "tensor_file.h"
@@ -33,22 +35,28 @@ std::string sample_text(const at::Tensor& t) {
   return c10::str(t.sizes().slice(1)) + " " + std::string(c10::toString(t.scalar_type()));
 }
 
+// What a --dataset tensors: file may be, for the errors that name what to give.
+constexpr const char* kGive =
+    "give a safetensors file, a .npy file (np.save) or a torch.save'd {name: tensor} dict of "
+    "samples";
+
 // Every tensor in the file, by name; `mapped` tells whether they view the file mapped into memory
-// (a safetensors file: a file larger than memory trains, and local ranks share its pages) or were
-// read into memory (torch.save's format).
+// (a safetensors or .npy file: a file larger than memory trains, and local ranks share its pages)
+// or were read into memory (torch.save's format). A .npy file's one array is named after the
+// file (train.npy: 'train').
 std::map<std::string, at::Tensor> read_tensors(const std::string& where, const std::string& path,
                                                bool& mapped) {
   const std::string head = read_file_head(path);
   if (looks_like_checkpoint(head))
-    throw Error(where +
-                " is a fusebox checkpoint, not data: give a safetensors file or a torch.save'd "
-                "{name: tensor} dict of samples");
+    throw Error(where + " is a fusebox checkpoint, not data: " + kGive);
+  if (looks_like_npy(head)) {
+    mapped = true;
+    return {{std::filesystem::path(path).stem().string(), map_npy(path)}};
+  }
   // torch.save writes a zip archive.
   if (!looks_like_safetensors(head) && !is_safetensors_path(path) &&
       head.rfind("PK\x03\x04", 0) != 0)
-    throw Error(where +
-                " is neither a safetensors file nor a torch.save'd file: give a safetensors file "
-                "or a torch.save'd {name: tensor} dict of samples");
+    throw Error(where + " is neither a safetensors, a .npy nor a torch.save'd file: " + kGive);
   return read_tensor_file(path, head,
                           where +
                               " cannot be read: LibTorch's reader crashed on it (a malformed "
@@ -65,8 +73,7 @@ std::map<std::string, at::Tensor> read_file(const std::string& where, const std:
   } catch (const Error& e) {
     const std::string what = e.what();
     if (what.rfind(where, 0) == 0) throw;
-    throw Error(where + ": " + what +
-                "; give a safetensors file or a torch.save'd {name: tensor} dict of samples");
+    throw Error(where + ": " + what + "; " + kGive);
   }
 }
 

@@ -1,0 +1,41 @@
+// What the readers of tensor files (safetensors, .npy) share: refusing what is not a regular
+// file, mapping a file into memory for tensors to view, and widening the unsigned types LibTorch
+// lacks.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+
+namespace fusebox::detail {
+
+/// Refuses a path that is not there or not a regular file (a folder, a pipe), naming it.
+void require_regular_file(const std::filesystem::path& path);
+
+/// A file mapped into memory copy-on-write (a tensor written in place changes this process's copy,
+/// never the file), unmapped when the last tensor viewing it (holding the shared_ptr) is gone.
+class MappedFile {
+ public:
+  /// Maps `path` (a regular file); throws Error naming `where` when it cannot.
+  static std::shared_ptr<MappedFile> open(const std::filesystem::path& path,
+                                          const std::string& where);
+  MappedFile(void* base, uint64_t size) : base_(base), size_(size) {}
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  char* data() const { return static_cast<char*>(base_); }
+  uint64_t size() const { return size_; }
+
+ private:
+  void* base_;
+  uint64_t size_;
+};
+
+/// A tensor of `type` (int32 or int64) holding the values of `carrier`, the signed type of the
+/// same width as the unsigned one the file holds (int16 for uint16, int32 for uint32): its
+/// negative values are the unsigned ones at and above 2^(bits - 1).
+at::Tensor widen_unsigned(const at::Tensor& carrier, at::ScalarType type);
+
+}  // namespace fusebox::detail

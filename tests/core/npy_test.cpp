@@ -1,0 +1,160 @@
+// NumPy's .npy format: files laid out as np.save writes them (versions 1 and 2, C and Fortran
+// order, every dtype read, uint16/uint32 widened), mapped or parsed alike, and one Error naming the
+// fault for each way a file can be wrong.
+#include "fusebox/core/npy.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "../error_of.h"
+#include "../scratch_dir.h"
+
+using namespace fusebox;
+using fusebox::testing::error_of;
+using fusebox::testing::ScratchDir;
+
+namespace {
+
+// A file as np.save writes it: magic, version, header size, the dict padded with spaces to a
+// multiple of 64 bytes (ending in a newline), then `data`.
+std::string npy(const std::string& dict, const std::string& data, int version = 1) {
+  const size_t prefix = version == 1 ? 10 : 12;
+  std::string header = dict;
+  header.append((64 - (prefix + header.size() + 1) % 64) % 64, ' ');
+  header += '\n';
+  std::string out = "\x93NUMPY";
+  out += static_cast<char>(version);
+  out += '\0';
+  for (size_t i = 0; i < prefix - 8; ++i)
+    out += static_cast<char>((header.size() >> (8 * i)) & 0xFF);
+  return out + header + data;
+}
+
+template <class T>
+std::string raw(std::initializer_list<T> values) {
+  std::string out;
+  for (const T v : values) out.append(reinterpret_cast<const char*>(&v), sizeof v);
+  return out;
+}
+
+}  // namespace
+
+TEST(Npy, ReadsWhatNumpyWrites) {
+  const std::string c_order = npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }",
+                                  raw<float>({1, 2, 3, 4, 5, 6}));
+  EXPECT_TRUE(looks_like_npy(c_order));
+  EXPECT_FALSE(looks_like_npy("PK\x03\x04"));
+  at::Tensor t = parse_npy(c_order, "c");
+  EXPECT_TRUE(at::equal(t, at::arange(1, 7, at::kFloat).view({2, 3})));
+  // Fortran order: the same values stored column by column.
+  t = parse_npy(npy("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }",
+                    raw<float>({1, 4, 2, 5, 3, 6})),
+                "f");
+  EXPECT_TRUE(at::equal(t, at::arange(1, 7, at::kFloat).view({2, 3})));
+  // Version 2 (a 4-byte header size), a 1-d shape written "(5,)", keys in another order.
+  t = parse_npy(npy("{'shape': (5,), 'fortran_order': False, 'descr': '<i8'}",
+                    raw<int64_t>({-2, -1, 0, 1, 1LL << 40}), 2),
+                "v2");
+  EXPECT_TRUE(at::equal(t, at::tensor(std::vector<int64_t>{-2, -1, 0, 1, int64_t{1} << 40})));
+  // A scalar (shape ()), and an empty array.
+  EXPECT_EQ(
+      parse_npy(npy("{'descr': '<f8', 'fortran_order': False, 'shape': (), }", raw<double>({2.5})),
+                "s")
+          .item<double>(),
+      2.5);
+  EXPECT_EQ(parse_npy(npy("{'descr': '<f8', 'fortran_order': False, 'shape': (0, 4), }", ""), "e")
+                .sizes(),
+            (at::IntArrayRef{0, 4}));
+  // Every dtype: its type, and uint16/uint32 widened with their values.
+  struct Case {
+    std::string descr, data;
+    at::Tensor want;
+  };
+  const std::vector<Case> cases = {
+      {"<f8", raw<double>({-1.5, 2}), at::tensor({-1.5, 2.0}, at::kDouble)},
+      {"<f2", raw<uint16_t>({0x3C00, 0xC000}), at::tensor({1.0, -2.0}).to(at::kHalf)},
+      {"<i4", raw<int32_t>({-7, 1 << 30}), at::tensor({-7, 1 << 30}, at::kInt)},
+      {"<i2", raw<int16_t>({-300, 300}), at::tensor({-300, 300}, at::kShort)},
+      {"|i1", raw<int8_t>({-128, 127}), at::tensor({-128, 127}, at::kChar)},
+      {"|u1", raw<uint8_t>({0, 255}), at::tensor({0, 255}, at::kByte)},
+      {"|b1", raw<uint8_t>({1, 0}), at::tensor({1, 0}, at::kByte).to(at::kBool)},
+      {"<u2", raw<uint16_t>({65535, 50256}), at::tensor({65535, 50256}, at::kInt)},
+      {"<u4", raw<uint32_t>({4294967295u, 7}), at::tensor({int64_t{4294967295}, int64_t{7}})}};
+  for (const Case& c : cases) {
+    const at::Tensor got = parse_npy(
+        npy("{'descr': '" + c.descr + "', 'fortran_order': False, 'shape': (2,), }", c.data), "d");
+    EXPECT_EQ(got.scalar_type(), c.want.scalar_type()) << c.descr;
+    EXPECT_TRUE(at::equal(got, c.want)) << c.descr;
+  }
+}
+
+// A mapped file gives what a parsed one gives, C or Fortran order, and the tensor outlives the
+// call (the mapping stays while a tensor views it).
+TEST(Npy, AMappedFileGivesWhatAParseGives) {
+  ScratchDir dir("npy");
+  for (const std::string order : {"False", "True"}) {
+    const std::string bytes =
+        npy("{'descr': '<f4', 'fortran_order': " + order + ", 'shape': (3, 2), }",
+            raw<float>({1, 2, 3, 4, 5, 6}));
+    const std::string path = (dir.path() / "a.npy").string();
+    std::ofstream(path, std::ios::binary) << bytes;
+    const at::Tensor mapped = map_npy(path);
+    EXPECT_TRUE(at::equal(mapped, parse_npy(bytes, "mem"))) << order;
+    EXPECT_EQ(mapped.is_contiguous(), order == "False");
+    mapped.add_(1);  // copy-on-write: the file keeps its values
+    EXPECT_TRUE(at::equal(map_npy(path) + 1, mapped));
+  }
+  const std::string missing = (dir.path() / "missing.npy").string();
+  EXPECT_EQ(error_of([&] { map_npy(missing); }), missing + " does not exist");
+}
+
+TEST(Npy, EveryBadFileIsOneErrorNamingTheFault) {
+  const std::string good = "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }";
+  const std::string two = raw<float>({1, 2});
+  auto error = [](const std::string& bytes) {
+    return error_of([&] { parse_npy(bytes, "x.npy"); });
+  };
+  const std::string bad = "x.npy: not a valid .npy file: ";
+  EXPECT_EQ(error("PK\x03\x04 a zip"), "x.npy: not a .npy file (no \\x93NUMPY magic string)");
+  EXPECT_EQ(error("\x93NUM"), "x.npy: not a .npy file (no \\x93NUMPY magic string)");
+  std::string v4 = npy(good, two);
+  v4[6] = 4;
+  EXPECT_EQ(error(v4), bad + "format version 4 is not 1, 2 or 3");
+  std::string huge = npy(good, two);
+  huge[8] = '\xff', huge[9] = '\xff';
+  EXPECT_EQ(error(huge), bad + "its header size 65535 is larger than the file (a truncated file?)");
+  EXPECT_EQ(error(npy(good, raw<float>({1}))),
+            bad + "its data are 4 bytes, its dtype and shape need 8 (a truncated file?)");
+  EXPECT_EQ(error(npy(good, raw<float>({1, 2, 3}))),
+            bad + "its data are 12 bytes, its dtype and shape need 8");
+  EXPECT_EQ(error(npy("{'descr': '>f4', 'fortran_order': False, 'shape': (2,), }", two)),
+            bad +
+                "its dtype '>f4' is big-endian; save it little-endian "
+                "(array.astype(array.dtype.newbyteorder('<')))");
+  EXPECT_EQ(error(npy("{'descr': '|O', 'fortran_order': False, 'shape': (2,), }", two)),
+            bad +
+                "its dtype '|O' is not one fusebox reads (float64, float32, float16, int64, int32, "
+                "int16, int8, uint8, uint16, uint32, bool)");
+  EXPECT_EQ(error(npy("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,), }", two)),
+            bad + "it holds a structured array (fields), which fusebox does not read");
+  EXPECT_EQ(error(npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}", two)),
+            bad + "its header has the key 'x', not one of descr, fortran_order, shape");
+  EXPECT_EQ(error(npy("{'descr': '<f4', 'shape': (2,), }", two)),
+            bad + "its header lacks fortran_order");
+  EXPECT_EQ(error(npy("{'descr': '<f4', 'fortran_order': Maybe, 'shape': (2,), }", two)),
+            bad + "its fortran_order is neither True nor False");
+  EXPECT_EQ(error(npy("{'descr': '<f4', 'fortran_order': False, 'shape': (-2,), }", two)),
+            bad + "its shape holds something other than sizes");
+  EXPECT_EQ(error(npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2,)", two)),
+            bad + "its header is not a dict numpy writes (expected ',')");
+  EXPECT_EQ(error(npy("{'descr': '<f4', 'fortran_order': False, 'shape': (461168601842738790, "
+                      "4), }",
+                      two)),
+            bad + "its shape holds more bytes than any file");
+  EXPECT_EQ(
+      error(npy("{'descr': '|b1', 'fortran_order': False, 'shape': (2,), }", raw<uint8_t>({1, 2}))),
+      bad + "a bool array holds a byte other than 0 or 1");
+  EXPECT_EQ(error(npy("{'descr': '<f4", two)), bad + "its header has an unterminated string");
+}
