@@ -1,6 +1,7 @@
 // NumPy's .npy format: files laid out as np.save writes them (versions 1 and 2, C and Fortran
 // order, every dtype read, uint16/uint32 widened), mapped or parsed alike, and one Error naming the
-// fault for each way a file can be wrong.
+// fault for each way a file can be wrong. And .npz archives: one np.savez wrote
+// (tests/data/numpy-savez.npz), ZIP64 ones laid out by hand, and the faults of an archive.
 #include "fusebox/core/npy.h"
 
 #include <ATen/ATen.h>
@@ -30,6 +31,45 @@ std::string npy(const std::string& dict, const std::string& data, int version = 
   for (size_t i = 0; i < prefix - 8; ++i)
     out += static_cast<char>((header.size() >> (8 * i)) & 0xFF);
   return out + header + data;
+}
+
+void put(std::string& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out += static_cast<char>((v >> (8 * i)) & 0xFF);
+}
+
+// A zip archive of stored entries, as np.savez writes one; with `zip64`, every size and offset of
+// the central directory is in a ZIP64 extra field, and a ZIP64 end record and locator come first.
+std::string zip_of(const std::vector<std::pair<std::string, std::string>>& files, bool zip64,
+                   int method = 0) {
+  std::string out, dir;
+  for (const auto& [name, data] : files) {
+    const uint64_t local = out.size();
+    put(out, 0x04034b50, 4), put(out, 20, 2), put(out, 0, 2), put(out, method, 2);
+    put(out, 0, 8), put(out, data.size(), 4), put(out, data.size(), 4);
+    put(out, name.size(), 2), put(out, 0, 2);
+    out += name + data;
+    put(dir, 0x02014b50, 4), put(dir, 45, 2), put(dir, 45, 2), put(dir, 0, 2);
+    put(dir, method, 2), put(dir, 0, 8);
+    put(dir, zip64 ? 0xFFFFFFFF : data.size(), 4), put(dir, zip64 ? 0xFFFFFFFF : data.size(), 4);
+    put(dir, name.size(), 2), put(dir, zip64 ? 28 : 0, 2), put(dir, 0, 2), put(dir, 0, 8);
+    put(dir, zip64 ? 0xFFFFFFFF : local, 4);
+    dir += name;
+    if (zip64)
+      put(dir, 1, 2), put(dir, 24, 2), put(dir, data.size(), 8), put(dir, data.size(), 8),
+          put(dir, local, 8);
+  }
+  const uint64_t dir_at = out.size();
+  out += dir;
+  if (zip64) {
+    const uint64_t record = out.size();
+    put(out, 0x06064b50, 4), put(out, 44, 8), put(out, 45, 2), put(out, 45, 2), put(out, 0, 8);
+    put(out, files.size(), 8), put(out, files.size(), 8), put(out, dir.size(), 8);
+    put(out, dir_at, 8);
+    put(out, 0x07064b50, 4), put(out, 0, 4), put(out, record, 8), put(out, 1, 4);
+  }
+  put(out, 0x06054b50, 4), put(out, 0, 4), put(out, files.size(), 2), put(out, files.size(), 2);
+  put(out, dir.size(), 4), put(out, zip64 ? 0xFFFFFFFF : dir_at, 4), put(out, 0, 2);
+  return out;
 }
 
 template <class T>
@@ -157,4 +197,68 @@ TEST(Npy, EveryBadFileIsOneErrorNamingTheFault) {
       error(npy("{'descr': '|b1', 'fortran_order': False, 'shape': (2,), }", raw<uint8_t>({1, 2}))),
       bad + "a bool array holds a byte other than 0 or 1");
   EXPECT_EQ(error(npy("{'descr': '<f4", two)), bad + "its header has an unterminated string");
+}
+
+// What np.savez wrote (NumPy 1.24: stored entries with ZIP64 local extras, a Fortran-ordered
+// array, a uint16 one) reads by name, mapped or parsed alike.
+TEST(Npz, ReadsWhatNumpySavezWrites) {
+  const std::string path = FUSEBOX_TEST_DATA "/numpy-savez.npz";
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(looks_like_npz(bytes.substr(0, 64)));
+  EXPECT_FALSE(looks_like_npz(zip_of({{"archive/data.pkl", "x"}}, false)));  // torch.save's zip
+  for (const auto& arrays : {map_npz(path), parse_npz(bytes, "mem")}) {
+    ASSERT_EQ(arrays.size(), 4u);
+    EXPECT_TRUE(at::equal(arrays.at("input"), at::arange(8, at::kFloat).view({4, 2})));
+    EXPECT_TRUE(at::equal(arrays.at("target"), at::tensor({0.5, -1.0, 2.0, 3.5}, at::kDouble)));
+    EXPECT_TRUE(at::equal(arrays.at("ids"), at::tensor({0, 65535, 50256}, at::kInt)));
+    EXPECT_TRUE(at::equal(arrays.at("grid"), at::arange(6, at::kInt).view({2, 3})));
+  }
+}
+
+TEST(Npz, AZip64ArchiveReadsAndEveryBadArchiveIsOneError) {
+  const std::string a =
+      npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }", raw<float>({1, 2}));
+  const std::string b =
+      npy("{'descr': '|u1', 'fortran_order': False, 'shape': (3,), }", raw<uint8_t>({7, 8, 9}));
+  for (const bool zip64 : {false, true}) {
+    const auto arrays = parse_npz(zip_of({{"a.npy", a}, {"b.npy", b}}, zip64), "z");
+    ASSERT_EQ(arrays.size(), 2u) << zip64;
+    EXPECT_TRUE(at::equal(arrays.at("a"), at::tensor({1.0f, 2.0f})));
+    EXPECT_TRUE(at::equal(arrays.at("b"), at::tensor({7, 8, 9}, at::kByte)));
+  }
+  auto error = [](const std::string& bytes) {
+    return error_of([&] { parse_npz(bytes, "z.npz"); });
+  };
+  const std::string bad = "z.npz: not a valid .npz file: ";
+  EXPECT_EQ(error(zip_of({{"a.npy", a}}, false, 8)),
+            bad +
+                "'a.npy' is compressed (np.savez_compressed); save the arrays with np.savez, "
+                "which stores them as they are");
+  std::ifstream in(FUSEBOX_TEST_DATA "/numpy-savez-compressed.npz", std::ios::binary);
+  const std::string compressed((std::istreambuf_iterator<char>(in)),
+                               std::istreambuf_iterator<char>());
+  EXPECT_NE(error(compressed).find("'input.npy' is compressed (np.savez_compressed)"),
+            std::string::npos);
+  EXPECT_EQ(error(zip_of({{"a.npy", a}, {"notes.txt", "x"}}, false)),
+            bad + "it holds 'notes.txt', which is not a .npy file");
+  EXPECT_EQ(error(zip_of({{"a.npy", a}, {"a.npy", a}}, false)), bad + "it holds 'a.npy' twice");
+  EXPECT_EQ(error(zip_of({}, false)), "z.npz: the .npz file holds no arrays");
+  EXPECT_EQ(error("PK\x03\x04"), bad + "it is shorter than a zip archive's end record");
+  const std::string whole = zip_of({{"a.npy", a}}, false);
+  EXPECT_EQ(error(whole.substr(0, whole.size() - 30) + std::string(30, ' ')),
+            bad + "it has no zip end record");
+  // Cut inside the data: the directory (at the end) still points to where the data were.
+  std::string cut = whole;
+  cut.erase(40, 20);
+  EXPECT_NE(error(cut).find(bad), std::string::npos);
+  std::string wrong_array = zip_of({{"a.npy", a.substr(0, a.size() - 4)}}, true);
+  EXPECT_EQ(error(wrong_array),
+            "z.npz 'a': not a valid .npy file: its data are 4 bytes, its dtype and shape need 8 (a "
+            "truncated file?)");
+  std::string far = zip_of({{"a.npy", a}}, true);
+  far[far.size() - 22 - 20 - 56 + 55] = '\x7f';  // the ZIP64 directory offset, far past the end
+  EXPECT_EQ(error(far), bad +
+                            "its central directory lies past the end of the file (a truncated "
+                            "file?)");
 }

@@ -1,4 +1,4 @@
-// libFuzzer target for the tensor file readers: any bytes read as a safetensors or a .npy file
+// libFuzzer target for the tensor file readers: any bytes read as a safetensors, .npy or .npz file
 // must give a fusebox::Error or tensors, never a crash or an allocation beyond the input's size.
 // Each reader gets two views per input: the raw file, and the input as the header of a file with
 // 64 bytes of data behind it (so the header's decoder is reached without the fuzzer having to
@@ -28,6 +28,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto npy = [](const std::string& b, const std::string& w) { fusebox::parse_npy(b, w); };
   try_parse(safetensors, raw);
   try_parse(npy, raw);
+  try_parse([](const std::string& b, const std::string& w) { fusebox::parse_npz(b, w); }, raw);
   std::string framed(8, '\0');
   for (int i = 0; i < 8; ++i) framed[i] = static_cast<char>((uint64_t{size} >> (8 * i)) & 0xFF);
   framed += raw;

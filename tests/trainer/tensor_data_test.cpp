@@ -552,8 +552,9 @@ TEST(TrainerTensorData, UnfitFilesAreRefusedWithWhatTheModelReads) {
   c.dataset_path = tmp.write("notes.txt", "not tensors at all");
   EXPECT_EQ(refusal(c, {{"x", false}}),
             "--dataset tensors:" + c.dataset_path +
-                " is neither a safetensors, a .npy nor a torch.save'd file: give a safetensors "
-                "file, a .npy file (np.save) or a torch.save'd {name: tensor} dict of samples");
+                " is neither a safetensors, a NumPy nor a torch.save'd file: give a safetensors "
+                "file, a .npy or .npz file (np.save, np.savez) or a torch.save'd {name: tensor} "
+                "dict of samples");
 
   // The trainer: exit 2, one line, nothing written.
   const Result r =

@@ -37,26 +37,30 @@ std::string sample_text(const at::Tensor& t) {
 
 // What a --dataset tensors: file may be, for the errors that name what to give.
 constexpr const char* kGive =
-    "give a safetensors file, a .npy file (np.save) or a torch.save'd {name: tensor} dict of "
-    "samples";
+    "give a safetensors file, a .npy or .npz file (np.save, np.savez) or a torch.save'd {name: "
+    "tensor} dict of samples";
 
 // Every tensor in the file, by name; `mapped` tells whether they view the file mapped into memory
-// (a safetensors or .npy file: a file larger than memory trains, and local ranks share its pages)
-// or were read into memory (torch.save's format). A .npy file's one array is named after the
-// file (train.npy: 'train').
+// (a safetensors, .npy or .npz file: a file larger than memory trains, and local ranks share its
+// pages) or were read into memory (torch.save's format). A .npy file's one array is named after
+// the file (train.npy: 'train'), an .npz file's arrays by their names in it.
 std::map<std::string, at::Tensor> read_tensors(const std::string& where, const std::string& path,
                                                bool& mapped) {
-  const std::string head = read_file_head(path);
+  const std::string head = read_file_head(path, 512);  // an .npz's first entry name too
   if (looks_like_checkpoint(head))
     throw Error(where + " is a fusebox checkpoint, not data: " + kGive);
   if (looks_like_npy(head)) {
     mapped = true;
     return {{std::filesystem::path(path).stem().string(), map_npy(path)}};
   }
+  if (looks_like_npz(head)) {
+    mapped = true;
+    return map_npz(path);
+  }
   // torch.save writes a zip archive.
   if (!looks_like_safetensors(head) && !is_safetensors_path(path) &&
       head.rfind("PK\x03\x04", 0) != 0)
-    throw Error(where + " is neither a safetensors, a .npy nor a torch.save'd file: " + kGive);
+    throw Error(where + " is neither a safetensors, a NumPy nor a torch.save'd file: " + kGive);
   return read_tensor_file(path, head,
                           where +
                               " cannot be read: LibTorch's reader crashed on it (a malformed "

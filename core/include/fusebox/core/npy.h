@@ -1,11 +1,12 @@
 // NumPy's .npy format (np.save): a magic string, a version, a header that is a Python dict literal
 // ({'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }) padded with spaces, then the
-// array's raw bytes. One array, no name.
+// array's raw bytes. One array, no name. And .npz (np.savez): named .npy files in a zip archive.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <map>
 #include <string>
 
 namespace fusebox {
@@ -23,5 +24,21 @@ at::Tensor parse_npy(const std::string& bytes, const std::string& where);
 
 /// True if `head`, a file's first bytes, starts with .npy's magic string ("\x93NUMPY").
 bool looks_like_npy(const std::string& head);
+
+/// The arrays of a NumPy .npz archive (np.savez: a zip archive of .npy files), by name (the file
+/// name without ".npy"), each read as map_npy reads one: np.savez stores the arrays as they are,
+/// so a tensor views its bytes in the mapped archive when they are aligned for its type, and is
+/// copied when not (np.savez does not align them). ZIP64 archives are read; compressed
+/// (np.savez_compressed), encrypted or multi-disk archives, entries that are not .npy files and
+/// entries whose ranges leave the file are refused with Error naming the file and the fault. The
+/// entries' CRCs are not checked (that would read every byte).
+std::map<std::string, at::Tensor> map_npz(const std::filesystem::path& path);
+
+/// The same for an archive's bytes in memory (copied into the tensors).
+std::map<std::string, at::Tensor> parse_npz(const std::string& bytes, const std::string& where);
+
+/// True if `head`, a file's first bytes (at least 30 + the first entry's name), starts like an
+/// .npz archive: a zip archive whose first entry is a .npy file.
+bool looks_like_npz(const std::string& head);
 
 }  // namespace fusebox
