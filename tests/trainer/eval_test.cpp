@@ -229,6 +229,49 @@ def forward(self, x):
             "tensors:PATH with --eval-holdout F; or N >= 1 batches)\n");
 }
 
+// --eval-every-n-epochs: an evaluation after the step in which each epoch ends (8 training
+// samples in batches of 4: every 2 steps), beside --eval-every's and the last one.
+TEST(TrainerEval, EvaluatesWhereEpochsEnd) {
+  TempDir tmp;
+  const at::Tensor input = at::arange(20, at::kFloat).reshape({10, 2}) / 20;
+  save_safetensors({{"input", input}, {"target", input.sum(1)}}, tmp.file("d.safetensors"));
+  const std::vector<std::string> args = {"--optimizer",
+                                         "sgd",
+                                         "--model-width",
+                                         "2",
+                                         "--dataset",
+                                         "tensors:" + tmp.file("d.safetensors"),
+                                         "--eval-holdout",
+                                         "0.2",
+                                         "--train-batch-size",
+                                         "4",
+                                         "--max-train-steps",
+                                         "7",
+                                         "--eval-every-n-epochs",
+                                         "1",
+                                         "--log-every",
+                                         "0"};
+  auto steps_of = [&](const std::string& out) {
+    std::set<int64_t> steps;
+    for (const auto& [step, loss] : eval_losses(out + "/metrics.jsonl")) steps.insert(step);
+    return steps;
+  };
+  Result r = run_trainer(join(args, {"--output-dir", tmp.file("epochs")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(steps_of(tmp.file("epochs")), (std::set<int64_t>{2, 4, 6, 7}));
+  EXPECT_NE(r.out.find("; eval: 4 batches every epoch from tensors "), std::string::npos) << r.out;
+  r = run_trainer(join(args, {"--eval-every", "3", "--output-dir", tmp.file("both")}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(steps_of(tmp.file("both")), (std::set<int64_t>{2, 3, 4, 6, 7}));
+  EXPECT_NE(r.out.find("; eval: 4 batches every 3 steps and every epoch from "), std::string::npos)
+      << r.out;
+  r = run_trainer({"--optimizer", "sgd", "--eval-every-n-epochs", "2", "--output-dir", ""});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err,
+            "trainer: error: --eval-every-n-epochs: counts passes over a --dataset tensors:PATH "
+            "file's samples, and synthetic data have no epochs; give --eval-every N\n");
+}
+
 // --eval-holdout: a text file whose first 900 bytes are 'a' and last 100 'b'. With a tenth held
 // out, no training window holds a 'b' and no evaluation window an 'a'; without, training reads
 // the end too (so the first check can fail).

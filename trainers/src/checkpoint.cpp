@@ -144,6 +144,7 @@ std::string settings_changed_since(const Checkpoint& ckpt, const TrainConfig& c)
                                           "memory_guard",
                                           "gradient_checkpointing",
                                           "eval_every",
+                                          "eval_every_n_epochs",
                                           "eval_batches",
                                           "eval_dataset",
                                           "early_stop_patience",
@@ -278,16 +279,8 @@ std::string data_changed_since(const Checkpoint& ckpt, const TrainConfig& c,
 
 bool checkpoint_due(const TrainConfig& c, int64_t step, bool final) {
   if (c.output_dir.empty()) return false;
-  if (final || (c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0)) return true;
-  // --save-every-n-epochs: the step in which the samples drawn pass a multiple of N epochs. Each
-  // step draws batch x accumulation samples of the training part (the whole global batch, data
-  // parallel too), so this depends on the step alone and holds across a resume.
-  if (c.save_every_n_epochs <= 0 || c.epoch_samples <= 0 || step < 1 ||
-      c.save_every_n_epochs > (int64_t{1} << 40) / c.epoch_samples)
-    return false;
-  const int64_t per_step = c.train_batch_size * c.gradient_accumulation_steps;
-  const int64_t every = c.save_every_n_epochs * c.epoch_samples;
-  return (step * per_step) / every > ((step - 1) * per_step) / every;
+  return final || (c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0) ||
+         c.ends_epochs(step, c.save_every_n_epochs);
 }
 
 void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool final) {

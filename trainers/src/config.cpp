@@ -61,6 +61,14 @@ void check_readable_file(const std::string& label, const std::string& path, cons
   if (!in) throw Error(named + " cannot be read");
 }
 
+bool TrainConfig::ends_epochs(int64_t step, int64_t every) const {
+  if (every <= 0 || epoch_samples <= 0 || step < 1 || every > (int64_t{1} << 40) / epoch_samples)
+    return false;
+  const int64_t per_step = train_batch_size * gradient_accumulation_steps;
+  const int64_t samples = every * epoch_samples;
+  return (step * per_step) / samples > ((step - 1) * per_step) / samples;
+}
+
 std::string TrainConfig::message_prefix() const {
   return name.empty() ? "" : "run '" + name + "': ";
 }
@@ -258,12 +266,17 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   };
   read_dataset("dataset", c.dataset, c.dataset_path);
   c.eval_every = r.get<int64_t>("eval-every");
+  c.eval_every_n_epochs = r.get<int64_t>("eval-every-n-epochs");
+  if (c.eval_every_n_epochs > 0 && c.dataset != "tensors")
+    throw Error(r.label("eval-every-n-epochs") +
+                ": counts passes over a --dataset tensors:PATH file's samples, and " + c.dataset +
+                " data have no epochs; give --eval-every N");
   c.eval_batches = r.get<int64_t>("eval-batches");
   c.early_stop_patience = r.get<int64_t>("early-stop-patience");
-  if (c.early_stop_patience > 0 && c.eval_every == 0)
+  if (c.early_stop_patience > 0 && !c.evaluates())
     throw Error(r.label("early-stop-patience") +
                 ": counts evaluations, and there are none; give --eval-every N");
-  if (c.eval_every == 0)
+  if (!c.evaluates())
     for (const char* option : {"eval-batches", "eval-dataset"})
       if (r.has(option) && !r.setting(option).where.empty()) c.eval_set_unused = r.label(option);
   if (r.maybe<std::string>("eval-dataset").value_or("").empty()) {
@@ -290,7 +303,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   }
   // --eval-batches 0: one pass over a file's samples, which only tensors data have (text data are
   // windows at random offsets, synthetic data have no end).
-  if (c.eval_batches == 0 && c.eval_every > 0 && c.eval_dataset != "tensors")
+  if (c.eval_batches == 0 && c.evaluates() && c.eval_dataset != "tensors")
     throw Error(r.label("eval-batches") +
                 ": 0 evaluates every sample of a tensors file once, and the evaluation's data "
                 "are " +
@@ -338,7 +351,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
                   "(TorchScript), in the types it trained in; give --save-model a .safetensors " +
                   "path to save its weights as " + p);
   }
-  if (c.save_best_eval && c.eval_every == 0)
+  if (c.save_best_eval && !c.evaluates())
     throw Error(r.label("save-model-at") +
                 ": best keeps the parameters of the best evaluation, and there are none; "
                 "give --eval-every N");

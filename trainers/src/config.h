@@ -31,7 +31,7 @@ struct TrainConfig {
   int64_t lr_warmup_steps = 0, max_train_steps = 1, train_batch_size = 1;
   /// --max-train-epochs (0: unset); when set, max_train_steps is worked out from it and from
   /// epoch_samples, the training samples of the --dataset tensors: file (set when the run is
-  /// planned, with --max-train-epochs or --save-every-n-epochs).
+  /// planned, with --max-train-epochs, --save-every-n-epochs or --eval-every-n-epochs).
   int64_t max_train_epochs = 0, epoch_samples = 0;
   int64_t gradient_accumulation_steps = 1;
   double max_grad_norm = 0;
@@ -68,9 +68,10 @@ struct TrainConfig {
   std::optional<std::string> model_script;
   std::optional<std::string> init_weights;  ///< --init-weights: the parameters to start from
   bool init_weights_strict = true;
-  std::string dataset;       ///< "synthetic", "none", "text" or "tensors"
-  std::string dataset_path;  ///< for "text" and "tensors"
-  int64_t eval_every = 0;    ///< 0: no evaluation
+  std::string dataset;              ///< "synthetic", "none", "text" or "tensors"
+  std::string dataset_path;         ///< for "text" and "tensors"
+  int64_t eval_every = 0;           ///< 0: none every N steps
+  int64_t eval_every_n_epochs = 0;  ///< 0: none at epoch ends
   int64_t eval_batches = 4;
   std::string eval_dataset, eval_dataset_path;  ///< as dataset and dataset_path
   int64_t early_stop_patience = 0;              ///< 0: never stop early
@@ -91,6 +92,13 @@ struct TrainConfig {
   std::string mode() const;
   /// "run 'NAME': " before a message about one of several [[runs]], else "".
   std::string message_prefix() const;
+  /// True when the run evaluates (--eval-every or --eval-every-n-epochs).
+  bool evaluates() const { return eval_every > 0 || eval_every_n_epochs > 0; }
+  /// True when `step` is the step in which the samples drawn pass a multiple of `every` epochs
+  /// (of epoch_samples; false without them). Each step draws batch x accumulation samples of the
+  /// training part (the whole global batch, data parallel too), so this depends on the step alone
+  /// and holds across a resume.
+  bool ends_epochs(int64_t step, int64_t every) const;
 };
 
 /// Refuses a file the trainer is to read that is missing, unreachable, a folder, not a regular

@@ -264,6 +264,11 @@ std::vector<OptionSpec> build_specs() {
                    "batches, without gradients; training is unchanged (0: never)",
                    "N")),
            0);
+  at_least(add(opt("eval-every-n-epochs", Kind::Int, int64_t{0},
+                   "with --dataset tensors:PATH: evaluate also after the step in which every "
+                   "N-th pass over the training samples ends (0: never)",
+                   "N")),
+           0);
   at_least(add(opt("eval-batches", Kind::Int, int64_t{4},
                    "batches of --train-batch-size samples in each evaluation (the same ones each "
                    "time; 0: every sample of a tensors: evaluation set once)",

@@ -155,6 +155,17 @@ double evaluate(Model& model, EvalData& data, const TrainConfig& c, const Distri
   return mean_over_ranks(sum / static_cast<double>(c.eval_batches), dist, no_stop);
 }
 
+// " every 50 steps", " every 2 epochs", " every 50 steps and every epoch".
+std::string eval_schedule(const TrainConfig& c) {
+  std::string out;
+  if (c.eval_every > 0) out = " every " + std::to_string(c.eval_every) + " steps";
+  if (c.eval_every_n_epochs > 0)
+    out += std::string(out.empty() ? "" : " and") + " every " +
+           (c.eval_every_n_epochs == 1 ? std::string("epoch")
+                                       : std::to_string(c.eval_every_n_epochs) + " epochs");
+  return out;
+}
+
 ModelOptions model_options(const TrainConfig& c) {
   ModelOptions mo;
   mo.kind = c.model, mo.width = c.model_width, mo.depth = c.model_depth;
@@ -522,7 +533,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
     }
     const std::vector<ForwardArgument> forward = model->forward_arguments();
     data = make_data(c, forward);
-    if (c.eval_every > 0) eval_data = std::make_unique<EvalData>(c, forward);
+    if (c.evaluates()) eval_data = std::make_unique<EvalData>(c, forward);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -695,7 +706,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                    ? "every sample (" + std::to_string(eval_data->pass_batches()) +
                                          " batches)"
                                    : std::to_string(c.eval_batches) + " batches") +
-                              " every " + std::to_string(c.eval_every) + " steps" +
+                              eval_schedule(c) +
                               (c.eval_dataset == "text" || c.eval_dataset == "tensors"
                                    ? " from " + eval_data->describe()
                                    : "")
@@ -743,7 +754,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   const bool scaled = so.loss_scaler != nullptr;
   // One lr column per parameter group, whatever the step mode made of them.
   const std::vector<std::pair<size_t, size_t>> lr_at = lr_sources(groups, mode->optimizers());
-  const MetricsColumns columns{lr_at.size(), scaled, c.eval_every > 0};
+  const MetricsColumns columns{lr_at.size(), scaled, c.evaluates()};
   MetricsHistory history;
   if (resumed && dist.leader()) {
     const std::string folder = fs::path(resumed_from).parent_path().string();
@@ -904,7 +915,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
       }
       m.step_seconds = seconds_since(t0);
       const bool final = step == c.max_train_steps;
-      if (eval_data && (step % c.eval_every == 0 || final)) {
+      if (eval_data && ((c.eval_every > 0 && step % c.eval_every == 0) || final ||
+                        c.ends_epochs(step, c.eval_every_n_epochs))) {
         std::optional<ParameterEma::Swap> averaged;  // --ema-decay: the average is evaluated
         if (ema) averaged.emplace(*ema);
         m.eval_loss = evaluate(*model, *eval_data, c, dist, device, dtype, loss_dtype);

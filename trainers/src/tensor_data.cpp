@@ -424,7 +424,7 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
 }
 
 void set_steps_from_epochs(TrainConfig& c) {
-  if (c.max_train_epochs <= 0 && c.save_every_n_epochs <= 0) return;
+  if (c.max_train_epochs <= 0 && c.save_every_n_epochs <= 0 && c.eval_every_n_epochs <= 0) return;
   const std::string where = "--dataset tensors:" + c.dataset_path;
   bool mapped = false;
   std::map<std::string, at::Tensor> all = read_file(where, c.dataset_path, mapped);
@@ -436,7 +436,7 @@ void set_steps_from_epochs(TrainConfig& c) {
   if (c.epoch_samples <= 0)
     throw Error(where + " (" + std::to_string(samples) + " samples): --eval-holdout " +
                 fraction_text(c.eval_holdout) + " leaves no sample to train on");
-  if (c.max_train_epochs <= 0) return;  // --save-every-n-epochs only
+  if (c.max_train_epochs <= 0) return;  // --save-every-n-epochs or --eval-every-n-epochs only
   if (c.max_train_epochs > (int64_t{1} << 62) / c.epoch_samples)
     throw Error("--max-train-epochs: " + std::to_string(c.max_train_epochs) + " epochs of " +
                 std::to_string(c.epoch_samples) + " samples are more steps than a run can take");

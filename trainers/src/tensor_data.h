@@ -31,10 +31,10 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& config, const st
                                              const std::string& path, DataPart part,
                                              const std::vector<ForwardArgument>& forward);
 
-/// With --max-train-epochs or --save-every-n-epochs: sets `config`'s epoch_samples (the training
-/// samples of its --dataset tensors: file, without a held-out part), and with --max-train-epochs
-/// max_train_steps (ceil(epochs x samples / (batch x accumulation))). A safetensors file is mapped,
-/// not read, for it. Throws Error naming the file or the option.
+/// With --max-train-epochs, --save-every-n-epochs or --eval-every-n-epochs: sets `config`'s
+/// epoch_samples (the training samples of its --dataset tensors: file, without a held-out part),
+/// and with --max-train-epochs max_train_steps (ceil(epochs x samples / (batch x accumulation))). A
+/// safetensors file is mapped, not read, for it. Throws Error naming the file or the option.
 void set_steps_from_epochs(TrainConfig& config);
 
 }  // namespace fusebox::trainer
