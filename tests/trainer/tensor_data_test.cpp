@@ -180,6 +180,104 @@ TEST(TrainerTensorData, ATokenStreamIsReadAsWindows) {
                 ": 'ids' holds token id 40, outside --vocab-size 40 (ids 0 to 39)");
 }
 
+// Samples numbered from..to-1, as numbered() makes them.
+Named numbered_range(int64_t from, int64_t to) {
+  return {{"input", at::arange(2 * from, 2 * to, at::kFloat).reshape({to - from, 2})},
+          {"target", at::arange(from, to, at::kFloat)}};
+}
+
+// A folder is one dataset in shards: its files' samples follow one another in name order
+// (other files are left alone), batches gather rows from any of them, a holdout may span two,
+// and the files must agree on their tensors.
+TEST(TrainerTensorData, AFolderOfFilesIsOneDataset) {
+  TempDir tmp;
+  const std::string dir = tmp.file("shards");
+  std::filesystem::create_directories(dir);
+  save_safetensors(numbered_range(0, 3), dir + "/part-0.safetensors");
+  save_safetensors(numbered_range(3, 7), dir + "/part-1.safetensors");
+  save_safetensors(numbered_range(7, 10), dir + "/part-2.safetensors");
+  tmp.write("shards/README.txt", "not data");
+  TrainConfig c = mlp_config(dir);
+  std::unique_ptr<DataSource> data = make_data(c);
+  const std::vector<int64_t> epoch = samples_of(*data, 5);  // each row checked against its number
+  EXPECT_EQ(sorted(std::vector<int64_t>(epoch.begin(), epoch.begin() + 10)), range(0, 10));
+  EXPECT_NE(data->describe().find("(3 files, 10 samples: input [2] Float, target [] Float;"),
+            std::string::npos)
+      << data->describe();
+
+  c.eval_holdout = 0.5;  // samples 5 to 9: the end of part-1 and all of part-2
+  EvalData eval(c);
+  std::vector<int64_t> held;
+  for (int64_t i = 0; i < eval.pass_batches(); ++i)
+    for (int64_t r = 0; r < eval.pass_batch(i).target.size(0); ++r)
+      held.push_back(static_cast<int64_t>(eval.pass_batch(i).target[r][0].item<float>()));
+  EXPECT_EQ(held, range(5, 10));
+  EXPECT_EQ(sorted(samples_of(*make_data(c), 5)), sorted([] {
+              std::vector<int64_t> v;
+              for (int e = 0; e < 4; ++e)
+                for (int64_t n = 0; n < 5; ++n) v.push_back(n);
+              return v;
+            }()));  // four epochs of the first five
+  c.max_train_epochs = 2;
+  set_steps_from_epochs(c);
+  EXPECT_EQ(c.epoch_samples, 5);
+
+  // Files that disagree, and a folder without data files.
+  save_safetensors({{"input", at::zeros({2, 3})}, {"target", at::zeros({2})}},
+                   dir + "/part-3.safetensors");
+  c = mlp_config(dir);
+  EXPECT_EQ(error_of([&] { make_data(c); }),
+            "--dataset tensors:" + dir +
+                "/part-3.safetensors: 'input' is [2, 3] Float; the mlp reads 'input' [samples, "
+                "2] (--model-width) and 'target' [samples, 1], both floating-point (give "
+                "--model-width 3)");
+  save_safetensors({{"input", at::zeros({2, 2}, at::kDouble)}, {"target", at::zeros({2})}},
+                   dir + "/part-3.safetensors");
+  EXPECT_EQ(error_of([&] { make_data(c); }),
+            "--dataset tensors:" + dir +
+                "/part-3.safetensors: 'input' holds samples [2] Double, and in --dataset "
+                "tensors:" +
+                dir +
+                "/part-0.safetensors [2] Float: every file of a folder holds samples of one "
+                "shape and type");
+  std::filesystem::remove(dir + "/part-3.safetensors");
+  std::filesystem::create_directories(tmp.file("tokens"));
+  save_safetensors({{"t", at::zeros({2, 4}, at::kLong)}}, tmp.file("tokens/a.safetensors"));
+  save_safetensors({{"ids", at::zeros({2, 4}, at::kLong)}}, tmp.file("tokens/b.safetensors"));
+  TrainConfig tokens = mlp_config(tmp.file("tokens"));
+  tokens.model = "transformer", tokens.seq_len = 3, tokens.vocab_size = 8;
+  EXPECT_EQ(error_of([&] { make_data(tokens); }),
+            "--dataset tensors:" + tmp.file("tokens/b.safetensors") +
+                " holds 'ids', and --dataset tensors:" + tmp.file("tokens/a.safetensors") +
+                " holds 't': every file of a folder holds the same tensors");
+  std::filesystem::create_directories(tmp.file("empty"));
+  c.dataset_path = tmp.file("empty");
+  EXPECT_EQ(error_of([&] { make_data(c); }),
+            "--dataset tensors:" + tmp.file("empty") +
+                " is a folder with no data files (.safetensors, .npy, .npz, .pt or .pth): give a "
+                "file, or a folder of the files of one dataset");
+
+  // Through the trainer (a folder passes the option checks a file does).
+  const Result r = run_trainer({"--optimizer", "sgd", "--model-width", "2", "--dataset",
+                                "tensors:" + dir, "--max-train-epochs", "1", "--output-dir", ""});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("(3 files, 10 samples: input [2] Float, target [] Float; shuffled each "
+                       "epoch); 1 epoch of 10 samples: 2 steps"),
+            std::string::npos)
+      << r.out;
+
+  // The fingerprint covers every file: rewriting one shard is a changed dataset.
+  c.dataset_path = dir;
+  const std::string before = data_fingerprint(c);
+  EXPECT_EQ(data_fingerprint(c), before);
+  save_safetensors(numbered_range(3, 7), dir + "/part-1.safetensors");
+  EXPECT_EQ(data_fingerprint(c), before);  // the same bytes again
+  Named other = numbered_range(3, 7);
+  other[1].second[0] = 42;
+  save_safetensors(other, dir + "/part-1.safetensors");
+  EXPECT_NE(data_fingerprint(c), before);
+}
+
 // --save-every-n-epochs: a checkpoint after each step in which the samples drawn pass a multiple
 // of N epochs (of the training part), whatever the batch and accumulation.
 TEST(TrainerTensorData, CheckpointsFollowTheEpochs) {

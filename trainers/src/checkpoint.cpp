@@ -11,6 +11,7 @@
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
 #include "output.h"
+#include "tensor_data.h"
 #include "toml_io.h"
 
 namespace fusebox::trainer {
@@ -254,10 +255,27 @@ std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
 
 std::string data_fingerprint(const TrainConfig& c) {
   if (c.dataset != "text" && c.dataset != "tensors") return "";
+  const std::string where = "--dataset " + c.dataset + ":" + c.dataset_path;
+  const std::vector<std::string> files = c.dataset == "tensors"
+                                             ? data_files(where, c.dataset_path)
+                                             : std::vector<std::string>{c.dataset_path};
   try {
-    return file_fingerprint(c.dataset_path).text();
+    if (files.size() == 1 && files.front() == c.dataset_path)
+      return file_fingerprint(c.dataset_path).text();
+    // A folder: every file's name, size and hash, in order, in one hash (and the sizes' sum).
+    FileFingerprint folder;
+    folder.hash = fnv1a("", 0);
+    for (const std::string& file : files) {
+      const FileFingerprint one = file_fingerprint(file);
+      const std::string name = fs::path(file).filename().string();
+      folder.hash = fnv1a(name.data(), name.size() + 1, folder.hash);  // with its terminator
+      folder.hash = fnv1a(&one.size, sizeof one.size, folder.hash);
+      folder.hash = fnv1a(&one.hash, sizeof one.hash, folder.hash);
+      folder.size += one.size, folder.sampled = folder.sampled || one.sampled;
+    }
+    return folder.text();
   } catch (const Error&) {
-    throw Error("--dataset " + c.dataset + ":" + c.dataset_path + " cannot be read");
+    throw Error(where + " cannot be read");
   }
 }
 

@@ -93,7 +93,8 @@ struct CheckpointContext {
 };
 
 /// The fingerprint (fusebox::file_fingerprint's text) of the file --dataset trains on (text: or
-/// tensors:), "" for data made by the trainer (synthetic, none). Throws Error naming the option
+/// tensors:; for a folder of tensors files, one over every file's name, size and hash), "" for
+/// data made by the trainer (synthetic, none). Throws Error naming the option
 /// when the file cannot be read.
 std::string data_fingerprint(const TrainConfig& config);
 

@@ -250,7 +250,9 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
       kind = "tensors";
       path = spec.substr(8);
       if (path.empty()) throw Error(label + ": tensors: needs a path (tensors:PATH)");
-      check_readable_file(label, path, "tensors file");
+      // A folder holds the files of a dataset in shards (tensor_data.h reads them).
+      std::error_code ec;
+      if (!fs::is_directory(path, ec)) check_readable_file(label, path, "tensors file");
     } else {
       std::string hint = did_you_mean(spec, {"synthetic", "none", "text:PATH", "tensors:PATH"});
       throw Error(label + ": '" + spec + "' is not synthetic, none, text:PATH or tensors:PATH" +

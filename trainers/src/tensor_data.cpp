@@ -84,13 +84,13 @@ std::map<std::string, at::Tensor> read_file(const std::string& where, const std:
 // The transformer reads a one-dimensional tensor of token ids as one stream (a tokenized corpus):
 // its samples are windows of --seq-len + 1 ids that start every --seq-len ids, so each id is
 // predicted once, and the ids after the last whole window are left out. The windows are a view of
-// the ids (no copy; a mapped file stays mapped). Returns "" for other data, else what was done.
-std::string stream_to_windows(const std::string& where, const TrainConfig& c,
-                              std::map<std::string, at::Tensor>& all) {
-  if (c.model_script || c.model != "transformer" || all.size() != 1) return "";
+// the ids (no copy; a mapped file stays mapped). Returns the stream's ids, 0 for other data.
+int64_t stream_to_windows(const std::string& where, const TrainConfig& c,
+                          std::map<std::string, at::Tensor>& all) {
+  if (c.model_script || c.model != "transformer" || all.size() != 1) return 0;
   auto& [name, t] = *all.begin();
   if (t.dim() != 1 || t.is_floating_point() || t.is_complex() || t.scalar_type() == at::kBool)
-    return "";
+    return 0;
   const int64_t ids = t.size(0), window = c.seq_len + 1;
   if (ids < window)
     throw Error(where + ": '" + name + "' is a stream of " + std::to_string(ids) +
@@ -99,7 +99,7 @@ std::string stream_to_windows(const std::string& where, const TrainConfig& c,
                 (ids >= 2 ? " (give --seq-len " + std::to_string(ids - 1) + ")" : ""));
   const int64_t windows = (ids - 1) / c.seq_len;
   t = t.as_strided({windows, window}, {c.seq_len * t.stride(0), t.stride(0)}, t.storage_offset());
-  return "windows of a stream of " + std::to_string(ids) + " ids";
+  return ids;
 }
 
 // The number of samples: tensors, each with a first dimension, all with the same number of rows.
@@ -254,16 +254,29 @@ uint64_t mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// A tensor the model reads, in pieces: one per file of a folder (one for a file), each a view of
+// its file's rows where it can be; the samples are the pieces' rows one after the other.
+struct Column {
+  std::string name;
+  std::vector<at::Tensor> pieces;
+};
+
 class TensorData : public DataSource {
  public:
-  TensorData(std::string text, Layout layout, Named columns, int64_t batch, uint64_t seed)
+  TensorData(std::string text, Layout layout, std::vector<Column> columns, int64_t batch,
+             uint64_t seed)
       : text_(std::move(text)),
         layout_(layout),
         columns_(std::move(columns)),
-        samples_(columns_.front().second.size(0)),
         batch_(batch),
         gen_(at::detail::createCPUGenerator(seed)),
-        seed_(seed) {}
+        seed_(seed) {
+    std::vector<int64_t> starts = {0};
+    for (const at::Tensor& piece : columns_.front().pieces)
+      starts.push_back(starts.back() + piece.size(0));
+    samples_ = starts.back();
+    starts_ = at::tensor(starts, at::TensorOptions().dtype(at::kLong));
+  }
 
   Batch next() override { return batch_of(take(batch_), gen_); }
 
@@ -289,7 +302,7 @@ class TensorData : public DataSource {
   Batch batch_of(const at::Tensor& rows, at::Generator& gen) const {
     const int64_t n = rows.size(0);
     Named picked;
-    for (const auto& [name, t] : columns_) picked.emplace_back(name, t.index_select(0, rows));
+    for (const Column& column : columns_) picked.emplace_back(column.name, gather(column, rows));
     Batch b;
     switch (layout_) {
       case Layout::kScriptInput:
@@ -320,6 +333,22 @@ class TensorData : public DataSource {
     return b;
   }
 
+  // The rows `rows` (sample numbers) of `column`, in that order, from whichever pieces hold them.
+  at::Tensor gather(const Column& column, const at::Tensor& rows) const {
+    if (column.pieces.size() == 1) return column.pieces[0].index_select(0, rows);
+    const at::Tensor piece_of = at::searchsorted(starts_, rows, false, /*right=*/true) - 1;
+    std::vector<int64_t> sizes = column.pieces[0].sizes().vec();
+    sizes[0] = rows.size(0);
+    at::Tensor out = at::empty(sizes, column.pieces[0].options());
+    for (size_t p = 0; p < column.pieces.size(); ++p) {
+      const at::Tensor here = (piece_of == static_cast<int64_t>(p)).nonzero().squeeze(1);
+      if (here.numel() == 0) continue;
+      const at::Tensor local = rows.index_select(0, here) - starts_[static_cast<int64_t>(p)];
+      out.index_copy_(0, here, column.pieces[p].index_select(0, local));
+    }
+    return out;
+  }
+
   // The next `n` sample indices: the rest of this epoch's order, then the next epoch's.
   at::Tensor take(int64_t n) {
     at::Tensor idx = at::empty({n}, at::kLong);
@@ -346,8 +375,9 @@ class TensorData : public DataSource {
 
   std::string text_;
   Layout layout_;
-  Named columns_;  ///< the tensors the model reads, in the order it reads them
-  int64_t samples_, batch_;
+  std::vector<Column> columns_;  ///< the tensors the model reads, in the order it reads them
+  at::Tensor starts_;            ///< each piece's first sample, then the number of samples
+  int64_t samples_ = 0, batch_;
   at::Generator gen_;  ///< the denoiser's noise and timesteps
   uint64_t seed_;
   int64_t drawn_ = 0;
@@ -357,28 +387,94 @@ class TensorData : public DataSource {
 
 }  // namespace
 
+std::vector<std::string> data_files(const std::string& where, const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec)) return {path};
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(path, ec)) {
+    const std::string ext = entry.path().extension().string();
+    if (entry.is_regular_file(ec) &&
+        (ext == ".safetensors" || ext == ".npy" || ext == ".npz" || ext == ".pt" || ext == ".pth"))
+      files.push_back(entry.path().string());
+  }
+  if (ec) throw Error(where + ": the folder cannot be listed (" + ec.message() + ")");
+  if (files.empty())
+    throw Error(where +
+                " is a folder with no data files (.safetensors, .npy, .npz, .pt or .pth): give a "
+                "file, or a folder of the files of one dataset");
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+namespace {
+
+// One file of the data: its tensors (checked), whether they are mapped, and their samples.
+struct Shard {
+  std::string where;  ///< the option and the file, for errors
+  std::map<std::string, at::Tensor> all;
+  bool mapped = false;
+  int64_t ids = 0;  ///< the transformer's token stream: its ids (0: rows of samples)
+  int64_t samples = 0;
+};
+
+Shard read_shard(const std::string& label, const TrainConfig& c, const std::string& file) {
+  Shard s;
+  s.where = label + " tensors:" + file;
+  s.all = read_file(s.where, file, s.mapped);
+  s.ids = stream_to_windows(s.where, c, s.all);
+  s.samples = check_samples(s.where, s.all);
+  return s;
+}
+
+// "'x', 'y'"
+std::string names_of(const std::map<std::string, at::Tensor>& all) {
+  std::string out;
+  for (const auto& [name, t] : all) out += (out.empty() ? "'" : ", '") + name + "'";
+  return out;
+}
+
+// The files of a folder hold the same tensors, each of the same kind of sample.
+void check_like_first(const Shard& first, const Shard& s) {
+  if (names_of(s.all) != names_of(first.all))
+    throw Error(s.where + " holds " + names_of(s.all) + ", and " + first.where + " holds " +
+                names_of(first.all) + ": every file of a folder holds the same tensors");
+  for (const auto& [name, t] : s.all) {
+    const at::Tensor& t0 = first.all.at(name);
+    if (t.scalar_type() != t0.scalar_type() || t.sizes().slice(1) != t0.sizes().slice(1))
+      throw Error(s.where + ": '" + name + "' holds samples " + sample_text(t) + ", and in " +
+                  first.where + " " + sample_text(t0) +
+                  ": every file of a folder holds samples of one shape and type");
+  }
+}
+
+}  // namespace
+
 std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::string& label,
                                              const std::string& path, DataPart part,
                                              const std::vector<ForwardArgument>& forward) {
   const std::string where = label + " tensors:" + path;
-  bool mapped = false;
-  std::map<std::string, at::Tensor> all = read_file(where, path, mapped);
-  const std::string stream = stream_to_windows(where, c, all);
-  const int64_t size = check_samples(where, all);
-
+  const std::vector<std::string> files = data_files(where, path);
+  std::vector<Shard> shards;
   Layout layout = Layout::kScriptInput;
-  if (c.model_script)
-    layout = script_layout(where, all, forward);
-  else if (c.model == "transformer")
-    check_tokens(where, c, all), layout = Layout::kTokens;
-  else if (c.model == "denoiser")
-    check_images(where, c, all), layout = Layout::kImages;
-  else
-    check_regression(where, c, all), layout = Layout::kRegression;
+  int64_t size = 0, ids = 0;
+  for (const std::string& file : files) {
+    Shard s = read_shard(label, c, file);
+    if (c.model_script)
+      layout = script_layout(s.where, s.all, forward);
+    else if (c.model == "transformer")
+      check_tokens(s.where, c, s.all), layout = Layout::kTokens;
+    else if (c.model == "denoiser")
+      check_images(s.where, c, s.all), layout = Layout::kImages;
+    else
+      check_regression(s.where, c, s.all), layout = Layout::kRegression;
+    if (!shards.empty()) check_like_first(shards.front(), s);
+    size += s.samples, ids += s.ids;
+    shards.push_back(std::move(s));
+  }
 
-  // --eval-holdout: the file's last samples are the evaluation's, the rest the training's. Both
-  // parts are checked, whichever this stream reads, so that a run without --eval-every learns now
-  // that a resumed one could not evaluate.
+  // --eval-holdout: the last samples (of the last files) are the evaluation's, the rest the
+  // training's. Both parts are checked, whichever this stream reads, so that a run without
+  // --eval-every learns now that a resumed one could not evaluate.
   const int64_t held = static_cast<int64_t>(std::floor(static_cast<double>(size) * part.holdout));
   for (const bool evaluation : {false, true}) {
     const int64_t length = evaluation ? held : size - held;
@@ -391,14 +487,25 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
   const bool tail = part.held_out && part.holdout > 0;
   const int64_t begin = tail ? size - held : 0, end = tail ? size : size - held;
 
-  // The columns in the order the layout reads them. The evaluation's part of a file read into
-  // memory is copied out, so that the rest is not kept for it (a mapped file's pages are shared).
-  Named columns;
+  // The columns in the order the layout reads them, each file's rows of [begin, end) a piece. The
+  // evaluation's part of a file read into memory is copied out, so that the rest is not kept for
+  // it (a mapped file's pages are shared).
+  std::vector<Column> columns;
   auto add = [&](const std::string& name) {
-    at::Tensor t = all.at(name).narrow(0, begin, end - begin);
-    if (tail && !mapped) t = t.clone();
-    columns.emplace_back(name, t);
+    Column column{name, {}};
+    int64_t first = 0;  // the shard's first sample
+    for (const Shard& s : shards) {
+      const int64_t lo = std::max(begin, first), hi = std::min(end, first + s.samples);
+      if (lo < hi) {
+        at::Tensor t = s.all.at(name).narrow(0, lo - first, hi - lo);
+        if (tail && !s.mapped) t = t.clone();
+        column.pieces.push_back(t);
+      }
+      first += s.samples;
+    }
+    columns.push_back(std::move(column));
   };
+  const std::map<std::string, at::Tensor>& all = shards.front().all;
   if (layout == Layout::kScriptArguments) {
     for (const ForwardArgument& a : forward)
       if (all.count(a.name)) add(a.name);
@@ -407,9 +514,11 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
   } else {
     add(all.begin()->first);
   }
-  all.clear();
+  shards.clear();
 
   std::string text = "tensors " + path + " (";
+  if (files.size() != 1 || files.front() != path)
+    text += std::to_string(files.size()) + (files.size() == 1 ? " file, " : " files, ");
   text += part.holdout > 0
               ? std::string(tail ? "the last " : "the first ") + std::to_string(end - begin) +
                     " of " + std::to_string(size) + " samples, " +
@@ -417,8 +526,12 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
               : std::to_string(size) + " samples";
   text += ": ";
   for (size_t i = 0; i < columns.size(); ++i)
-    text += (i ? ", " : "") + columns[i].first + " " + sample_text(columns[i].second);
-  text += (stream.empty() ? "" : ", " + stream) + "; shuffled each epoch)";
+    text += (i ? ", " : "") + columns[i].name + " " + sample_text(columns[i].pieces.front());
+  if (ids > 0)
+    text +=
+        std::string(files.size() == 1 ? ", windows of a stream of " : ", windows of streams of ") +
+        std::to_string(ids) + " ids";
+  text += "; shuffled each epoch)";
   return std::make_unique<TensorData>(std::move(text), layout, std::move(columns),
                                       c.train_batch_size, data_seed(c.seed));
 }
@@ -426,10 +539,14 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
 void set_steps_from_epochs(TrainConfig& c) {
   if (c.max_train_epochs <= 0 && c.save_every_n_epochs <= 0 && c.eval_every_n_epochs <= 0) return;
   const std::string where = "--dataset tensors:" + c.dataset_path;
-  bool mapped = false;
-  std::map<std::string, at::Tensor> all = read_file(where, c.dataset_path, mapped);
-  stream_to_windows(where, c, all);
-  const int64_t samples = count_samples(where, all);
+  int64_t samples = 0;
+  for (const std::string& file : data_files(where, c.dataset_path)) {
+    bool mapped = false;
+    const std::string file_where = "--dataset tensors:" + file;
+    std::map<std::string, at::Tensor> all = read_file(file_where, file, mapped);
+    stream_to_windows(file_where, c, all);
+    samples += count_samples(file_where, all);
+  }
   c.epoch_samples =
       samples - static_cast<int64_t>(std::floor(static_cast<double>(samples) * c.eval_holdout));
   const int64_t per_step = c.train_batch_size * c.gradient_accumulation_steps;

@@ -31,6 +31,12 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& config, const st
                                              const std::string& path, DataPart part,
                                              const std::vector<ForwardArgument>& forward);
 
+/// The files of --dataset tensors:PATH (`where` names the option and PATH in errors): PATH itself,
+/// or for a folder every .safetensors, .npy, .npz, .pt and .pth file in it, in name order (the
+/// shards of one dataset: their samples follow one another in that order). Throws Error for a
+/// folder without any.
+std::vector<std::string> data_files(const std::string& where, const std::string& path);
+
 /// With --max-train-epochs, --save-every-n-epochs or --eval-every-n-epochs: sets `config`'s
 /// epoch_samples (the training samples of its --dataset tensors: file, without a held-out part),
 /// and with --max-train-epochs max_train_steps (ceil(epochs x samples / (batch x accumulation))). A
