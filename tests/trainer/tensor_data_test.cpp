@@ -180,6 +180,25 @@ TEST(TrainerTensorData, ATokenStreamIsReadAsWindows) {
                 ": 'ids' holds token id 40, outside --vocab-size 40 (ids 0 to 39)");
 }
 
+// A file's values are read once per process (the evaluation stream does not check them again),
+// but a file written anew since, even of the same size, is checked again.
+TEST(TrainerTensorData, AFileChangedSinceItWasCheckedIsCheckedAgain) {
+  TempDir tmp;
+  const std::string path = tmp.file("d.safetensors");
+  save_safetensors(numbered(), path);
+  TrainConfig c = mlp_config(path);
+  c.eval_holdout = 0.2;
+  make_data(c);
+  EvalData eval(c);  // the same file, already checked
+  Named bad = numbered();
+  bad[0].second[9][1] = NAN;  // a held-out sample, the same size of file
+  save_safetensors(bad, path);
+  EXPECT_EQ(error_of([&] { make_data(c); }),
+            "--dataset tensors:" + path +
+                ": 'input' holds values that are not finite (NaN or Inf): a NaN sample makes the "
+                "loss NaN; clean or drop those samples");
+}
+
 // Samples numbered from..to-1, as numbered() makes them.
 Named numbered_range(int64_t from, int64_t to) {
   return {{"input", at::arange(2 * from, 2 * to, at::kFloat).reshape({to - from, 2})},

@@ -2,11 +2,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include "fusebox/core/checkpoint.h"
@@ -119,16 +121,17 @@ int64_t count_samples(const std::string& where, const std::map<std::string, at::
   return first.size(0);
 }
 
-// The checks every tensors file gets: count_samples's, nothing complex, every value finite.
-// Returns the number of samples.
-int64_t check_samples(const std::string& where, const std::map<std::string, at::Tensor>& all) {
+// The checks every tensors file gets: count_samples's, nothing complex, and with `values` every
+// value finite. Returns the number of samples.
+int64_t check_samples(const std::string& where, const std::map<std::string, at::Tensor>& all,
+                      bool values = true) {
   const int64_t samples = count_samples(where, all);
   for (const auto& [name, t] : all) {
     const std::string what = where + ": '" + name + "'";
     if (t.is_complex())
       throw Error(what + " is " + c10::toString(t.scalar_type()) +
                   ": the trainer reads real numbers and integers");
-    if (t.is_floating_point() && !all_finite(t))
+    if (values && t.is_floating_point() && !all_finite(t))
       throw Error(what +
                   " holds values that are not finite (NaN or Inf): a NaN sample makes the "
                   "loss NaN; clean or drop those samples");
@@ -182,7 +185,7 @@ const std::pair<const std::string, at::Tensor>& only_tensor(
 
 // The transformer's token ids: [N, seq_len + 1] integers below the vocabulary size.
 void check_tokens(const std::string& where, const TrainConfig& c,
-                  const std::map<std::string, at::Tensor>& all) {
+                  const std::map<std::string, at::Tensor>& all, bool values = true) {
   const std::string reads = "the transformer reads one tensor of token ids [samples, " +
                             std::to_string(c.seq_len + 1) +
                             "] (--seq-len + 1: input and next "
@@ -196,6 +199,7 @@ void check_tokens(const std::string& where, const TrainConfig& c,
                 (t.dim() == 2 && t.size(1) >= 2
                      ? " (give --seq-len " + std::to_string(t.size(1) - 1) + ")"
                      : ""));
+  if (!values) return;
   int64_t low = 0, high = 0;
   in_pieces(t, [&](const at::Tensor& piece) {
     low = std::min(low, piece.min().item<int64_t>());
@@ -415,14 +419,57 @@ struct Shard {
   bool mapped = false;
   int64_t ids = 0;  ///< the transformer's token stream: its ids (0: rows of samples)
   int64_t samples = 0;
+  std::string key;     ///< CheckedFiles's
+  bool values = true;  ///< its values are still to be checked (not done yet in this process)
+};
+
+// Files whose every value this process has checked, by path, device and inode, size, change
+// and modification times, and vocabulary: the training and the evaluation stream of one file (or
+// the runs of one config) then read a large file's values once, not once each. A file is
+// remembered once its checks passed; one written anew since (a new inode when replaced, new times
+// when written in place) is checked again.
+class CheckedFiles {
+ public:
+  static std::string key(const std::string& file, const TrainConfig& c) {
+    struct stat st {};
+    if (::stat(file.c_str(), &st) != 0) return "";  // never remembered: checked every time
+    std::string k = file;
+    for (const int64_t v : {int64_t(st.st_dev), int64_t(st.st_ino), int64_t(st.st_size),
+                            int64_t(st.st_mtim.tv_sec), int64_t(st.st_mtim.tv_nsec),
+                            int64_t(st.st_ctim.tv_sec), int64_t(st.st_ctim.tv_nsec), c.vocab_size})
+      k += "|" + std::to_string(v);
+    return k;
+  }
+  static bool contains(const std::string& key) {
+    if (key.empty()) return false;
+    const std::lock_guard<std::mutex> lock(mutex());
+    return keys().count(key) > 0;
+  }
+  static void add(const std::string& key) {
+    if (key.empty()) return;
+    const std::lock_guard<std::mutex> lock(mutex());
+    keys().insert(key);
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::set<std::string>& keys() {
+    static std::set<std::string> k;
+    return k;
+  }
 };
 
 Shard read_shard(const std::string& label, const TrainConfig& c, const std::string& file) {
   Shard s;
   s.where = label + " tensors:" + file;
+  s.key = CheckedFiles::key(file, c);
+  s.values = !CheckedFiles::contains(s.key);
   s.all = read_file(s.where, file, s.mapped);
   s.ids = stream_to_windows(s.where, c, s.all);
-  s.samples = check_samples(s.where, s.all);
+  s.samples = check_samples(s.where, s.all, s.values);
   return s;
 }
 
@@ -462,12 +509,13 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
     if (c.model_script)
       layout = script_layout(s.where, s.all, forward);
     else if (c.model == "transformer")
-      check_tokens(s.where, c, s.all), layout = Layout::kTokens;
+      check_tokens(s.where, c, s.all, s.values), layout = Layout::kTokens;
     else if (c.model == "denoiser")
       check_images(s.where, c, s.all), layout = Layout::kImages;
     else
       check_regression(s.where, c, s.all), layout = Layout::kRegression;
     if (!shards.empty()) check_like_first(shards.front(), s);
+    CheckedFiles::add(s.key);
     size += s.samples, ids += s.ids;
     shards.push_back(std::move(s));
   }
