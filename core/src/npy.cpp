@@ -143,8 +143,9 @@ class DictReader {
   size_t pos_ = 0;
 };
 
-uint32_t read_le(const char* p, int bytes) {
-  uint32_t v = 0;
+// The little-endian unsigned number in the `bytes` bytes at `p`.
+uint64_t le(const char* p, int bytes) {
+  uint64_t v = 0;
   for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
   return v;
 }
@@ -161,7 +162,7 @@ Header decode(const char* p, uint64_t total, const std::string& where) {
   const int size_bytes = major == 1 ? 2 : 4;
   const uint64_t prefix = kMagicBytes + 2 + size_bytes;
   if (total < prefix) throw Error(bad + "it ends inside its header size");
-  const uint64_t length = read_le(p + 8, size_bytes);
+  const uint64_t length = le(p + 8, size_bytes);
   if (length > kMaxHeaderBytes || length > total - prefix)
     throw Error(bad + "its header size " + std::to_string(length) + " is larger than " +
                 (length > kMaxHeaderBytes ? std::string("1 MiB") : "the file (a truncated file?)"));
@@ -235,12 +236,6 @@ at::Tensor npy_at(const char* bytes, uint64_t size, const std::string& where,
 // in the archive as they are and can be viewed in place; ZIP64 sizes and offsets (np.savez asks
 // for them); no encryption, one disk. Every size and offset is checked against the archive's.
 
-uint64_t le(const char* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
-  return v;
-}
-
 class ZipReader {
  public:
   ZipReader(const char* p, uint64_t total, std::string where)
@@ -264,9 +259,10 @@ class ZipReader {
       need(at, 46, "a central directory entry");
       if (le(p_ + at, 4) != 0x02014b50) fail("its central directory is malformed");
       const uint64_t flags = le(p_ + at + 8, 2), method = le(p_ + at + 10, 2);
+      // A stored entry's compressed size is its size.
       uint64_t size = le(p_ + at + 20, 4), local = le(p_ + at + 42, 4);
-      const uint64_t compressed = le(p_ + at + 20, 4), name_len = le(p_ + at + 28, 2),
-                     extra_len = le(p_ + at + 30, 2), comment_len = le(p_ + at + 32, 2);
+      const uint64_t name_len = le(p_ + at + 28, 2), extra_len = le(p_ + at + 30, 2),
+                     comment_len = le(p_ + at + 32, 2);
       need(at + 46, name_len + extra_len + comment_len, "a central directory entry");
       Entry e;
       e.name.assign(p_ + at + 46, name_len);
@@ -277,7 +273,7 @@ class ZipReader {
              "them as they are");
       // ZIP64: the fields at their maximum are in the extra field, in this order.
       const uint64_t usize = le(p_ + at + 24, 4);
-      const bool big_usize = usize == 0xFFFFFFFF, big_size = compressed == 0xFFFFFFFF,
+      const bool big_usize = usize == 0xFFFFFFFF, big_size = size == 0xFFFFFFFF,
                  big_local = local == 0xFFFFFFFF;
       if (big_usize || big_size || big_local) {
         // Offsets, not pointers: a malformed length must not point outside the file.
@@ -306,10 +302,11 @@ class ZipReader {
         }
         if (!found) fail("'" + e.name + "' lacks the ZIP64 sizes its entry points to");
       }
-      need(local, 30, "'" + e.name + "''s local header");
-      if (le(p_ + local, 4) != 0x04034b50) fail("'" + e.name + "''s local header is malformed");
+      need(local, 30, "the local header of '" + e.name + "'");
+      if (le(p_ + local, 4) != 0x04034b50)
+        fail("the local header of '" + e.name + "' is malformed");
       const uint64_t start = local + 30 + le(p_ + local + 26, 2) + le(p_ + local + 28, 2);
-      need(start, size, "'" + e.name + "''s data");
+      need(start, size, "the data of '" + e.name + "'");
       e.offset = start, e.size = size;
       out.push_back(std::move(e));
       at += 46 + name_len + extra_len + comment_len;

@@ -397,7 +397,8 @@ std::vector<std::string> data_files(const std::string& where, const std::string&
   std::vector<std::string> files;
   for (const auto& entry : std::filesystem::directory_iterator(path, ec)) {
     const std::string ext = entry.path().extension().string();
-    if (entry.is_regular_file(ec) &&
+    std::error_code unused;  // a dangling link is no data file, not a folder that cannot be listed
+    if (entry.is_regular_file(unused) &&
         (ext == ".safetensors" || ext == ".npy" || ext == ".npz" || ext == ".pt" || ext == ".pth"))
       files.push_back(entry.path().string());
   }
