@@ -267,12 +267,16 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
     }
   };
   read_dataset("dataset", c.dataset, c.dataset_path);
+  // The options counted in epochs: only tensors data have them.
+  auto counts_epochs = [&](const char* option, int64_t value, const char* instead) {
+    if (value > 0 && c.dataset != "tensors")
+      throw Error(r.label(option) +
+                  ": counts passes over a --dataset tensors:PATH file's samples, and " + c.dataset +
+                  " data have no epochs; give " + instead);
+  };
   c.eval_every = r.get<int64_t>("eval-every");
   c.eval_every_n_epochs = r.get<int64_t>("eval-every-n-epochs");
-  if (c.eval_every_n_epochs > 0 && c.dataset != "tensors")
-    throw Error(r.label("eval-every-n-epochs") +
-                ": counts passes over a --dataset tensors:PATH file's samples, and " + c.dataset +
-                " data have no epochs; give --eval-every N");
+  counts_epochs("eval-every-n-epochs", c.eval_every_n_epochs, "--eval-every N");
   c.eval_batches = r.get<int64_t>("eval-batches");
   c.early_stop_patience = r.get<int64_t>("early-stop-patience");
   if (c.early_stop_patience > 0 && !c.evaluates())
@@ -315,11 +319,9 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   // --max-train-epochs: the run's length in passes over the training samples (the steps are
   // worked out from the file by set_steps_from_epochs, when the run is planned).
   c.max_train_epochs = r.get<int64_t>("max-train-epochs");
+  counts_epochs("max-train-epochs", c.max_train_epochs, "--max-train-steps");
   if (c.max_train_epochs > 0) {
     const std::string label = r.label("max-train-epochs");
-    if (c.dataset != "tensors")
-      throw Error(label + ": counts passes over a --dataset tensors:PATH file's samples, and " +
-                  c.dataset + " data have no epochs; give --max-train-steps");
     if (!r.setting("max-train-steps").where.empty())
       throw Error(label + " and " + r.label("max-train-steps") +
                   " both set the run's length: give one (--max-train-epochs 0 switches epochs "
@@ -330,10 +332,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.log_every = r.get<int64_t>("log-every");
   c.save_every_n_steps = r.get<int64_t>("save-every-n-steps");
   c.save_every_n_epochs = r.get<int64_t>("save-every-n-epochs");
-  if (c.save_every_n_epochs > 0 && c.dataset != "tensors")
-    throw Error(r.label("save-every-n-epochs") +
-                ": counts passes over a --dataset tensors:PATH file's samples, and " + c.dataset +
-                " data have no epochs; give --save-every-n-steps");
+  counts_epochs("save-every-n-epochs", c.save_every_n_epochs, "--save-every-n-steps");
   c.keep_last_n_checkpoints = r.get<int64_t>("keep-last-n-checkpoints");
   c.resume = r.maybe_path("resume");
   c.save_model = r.maybe_path("save-model");

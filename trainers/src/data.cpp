@@ -21,6 +21,10 @@ at::Generator data_generator(int64_t seed) {
   return at::detail::createCPUGenerator(data_seed(seed));
 }
 
+int64_t held_out(int64_t size, double fraction) {
+  return static_cast<int64_t>(std::floor(static_cast<double>(size) * fraction));
+}
+
 std::string fraction_text(double f) {
   char text[32];
   std::snprintf(text, sizeof text, "%g", f);
@@ -101,7 +105,7 @@ class TextData : public DataSource {
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (in.bad()) throw Error("text file " + path + " cannot be read");
     const int64_t size = static_cast<int64_t>(bytes.size());
-    const int64_t held = static_cast<int64_t>(std::floor(static_cast<double>(size) * part.holdout));
+    const int64_t held = held_out(size, part.holdout);
     const bool tail = part.held_out && part.holdout > 0;  // else the file, or its first part
     const int64_t begin = tail ? size - held : 0, end = tail ? size : size - held;
     // One window of bytes is enough: every sample is then that window. With a held-out part

@@ -29,6 +29,10 @@ struct DataPart {
   bool held_out = false;  ///< true: this is the evaluation's stream, the held-out end
 };
 
+/// How many of `size` bytes or samples --eval-holdout `fraction` holds out: floor(size x
+/// fraction). One rule for the streams and for the epochs worked out from the training part.
+int64_t held_out(int64_t size, double fraction);
+
 /// The training data stream's seed for --seed: its own, so that model initialisation and data
 /// do not interfere.
 uint64_t data_seed(int64_t seed);

@@ -5,10 +5,8 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <cmath>
 #include <filesystem>
 #include <map>
-#include <mutex>
 #include <set>
 
 #include "fusebox/core/checkpoint.h"
@@ -420,57 +418,51 @@ struct Shard {
   bool mapped = false;
   int64_t ids = 0;  ///< the transformer's token stream: its ids (0: rows of samples)
   int64_t samples = 0;
-  std::string key;     ///< CheckedFiles's
+  std::string key;     ///< its checked_key
   bool values = true;  ///< its values are still to be checked (not done yet in this process)
 };
 
-// Files whose every value this process has checked, by path, device and inode, size, change
-// and modification times, and vocabulary: the training and the evaluation stream of one file (or
-// the runs of one config) then read a large file's values once, not once each. A file is
-// remembered once its checks passed; one written anew since (a new inode when replaced, new times
-// when written in place) is checked again.
-class CheckedFiles {
- public:
-  static std::string key(const std::string& file, const TrainConfig& c) {
-    struct stat st {};
-    if (::stat(file.c_str(), &st) != 0) return "";  // never remembered: checked every time
-    std::string k = file;
-    for (const int64_t v : {int64_t(st.st_dev), int64_t(st.st_ino), int64_t(st.st_size),
-                            int64_t(st.st_mtim.tv_sec), int64_t(st.st_mtim.tv_nsec),
-                            int64_t(st.st_ctim.tv_sec), int64_t(st.st_ctim.tv_nsec), c.vocab_size})
-      k += "|" + std::to_string(v);
-    return k;
-  }
-  static bool contains(const std::string& key) {
-    if (key.empty()) return false;
-    const std::lock_guard<std::mutex> lock(mutex());
-    return keys().count(key) > 0;
-  }
-  static void add(const std::string& key) {
-    if (key.empty()) return;
-    const std::lock_guard<std::mutex> lock(mutex());
-    keys().insert(key);
-  }
+// The key under which a file whose every value this process has checked is remembered: its path,
+// device and inode, size, change and modification times, and the vocabulary ("" when it cannot be
+// stat'ed: such a file is checked every time). The training and the evaluation stream of one file
+// (or the runs of one config) then read a large file's values once, not once each; a file written
+// anew since (a new inode when replaced, new times when written in place) is checked again.
+std::string checked_key(const std::string& file, const TrainConfig& c) {
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0) return "";
+  std::string k = file;
+  for (const int64_t v : {int64_t(st.st_dev), int64_t(st.st_ino), int64_t(st.st_size),
+                          int64_t(st.st_mtim.tv_sec), int64_t(st.st_mtim.tv_nsec),
+                          int64_t(st.st_ctim.tv_sec), int64_t(st.st_ctim.tv_nsec), c.vocab_size})
+    k += "|" + std::to_string(v);
+  return k;
+}
 
- private:
-  static std::mutex& mutex() {
-    static std::mutex m;
-    return m;
-  }
-  static std::set<std::string>& keys() {
-    static std::set<std::string> k;
-    return k;
-  }
-};
+// The checked_keys of the files that passed every check (the trainer makes its data on one
+// thread).
+std::set<std::string>& checked_files() {
+  static std::set<std::string> keys;
+  return keys;
+}
 
-Shard read_shard(const std::string& label, const TrainConfig& c, const std::string& file) {
+// A file's tensors, a token stream cut into its windows, and its samples counted: what both the
+// epochs' planning and the data stream read of a file.
+Shard open_shard(const std::string& label, const TrainConfig& c, const std::string& file) {
   Shard s;
   s.where = label + " tensors:" + file;
-  s.key = CheckedFiles::key(file, c);
-  s.values = !CheckedFiles::contains(s.key);
   s.all = read_file(s.where, file, s.mapped);
   s.ids = stream_to_windows(s.where, c, s.all);
-  s.samples = check_samples(s.where, s.all, s.values);
+  s.samples = count_samples(s.where, s.all);
+  return s;
+}
+
+// open_shard, with the checks of every value (unless done already in this process).
+Shard read_shard(const std::string& label, const TrainConfig& c, const std::string& file) {
+  const std::string key = checked_key(file, c);
+  const bool values = key.empty() || checked_files().count(key) == 0;
+  Shard s = open_shard(label, c, file);
+  s.key = key, s.values = values;
+  check_samples(s.where, s.all, values);
   return s;
 }
 
@@ -516,7 +508,7 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
     else
       check_regression(s.where, c, s.all), layout = Layout::kRegression;
     if (!shards.empty()) check_like_first(shards.front(), s);
-    CheckedFiles::add(s.key);
+    if (!s.key.empty()) checked_files().insert(s.key);
     size += s.samples, ids += s.ids;
     shards.push_back(std::move(s));
   }
@@ -524,7 +516,7 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
   // --eval-holdout: the last samples (of the last files) are the evaluation's, the rest the
   // training's. Both parts are checked, whichever this stream reads, so that a run without
   // --eval-every learns now that a resumed one could not evaluate.
-  const int64_t held = static_cast<int64_t>(std::floor(static_cast<double>(size) * part.holdout));
+  const int64_t held = held_out(size, part.holdout);
   for (const bool evaluation : {false, true}) {
     const int64_t length = evaluation ? held : size - held;
     if (part.holdout == 0 || length >= 1) continue;
@@ -589,15 +581,9 @@ void set_steps_from_epochs(TrainConfig& c) {
   if (c.max_train_epochs <= 0 && c.save_every_n_epochs <= 0 && c.eval_every_n_epochs <= 0) return;
   const std::string where = "--dataset tensors:" + c.dataset_path;
   int64_t samples = 0;
-  for (const std::string& file : data_files(where, c.dataset_path)) {
-    bool mapped = false;
-    const std::string file_where = "--dataset tensors:" + file;
-    std::map<std::string, at::Tensor> all = read_file(file_where, file, mapped);
-    stream_to_windows(file_where, c, all);
-    samples += count_samples(file_where, all);
-  }
-  c.epoch_samples =
-      samples - static_cast<int64_t>(std::floor(static_cast<double>(samples) * c.eval_holdout));
+  for (const std::string& file : data_files(where, c.dataset_path))
+    samples += open_shard("--dataset", c, file).samples;
+  c.epoch_samples = samples - held_out(samples, c.eval_holdout);
   const int64_t per_step = c.train_batch_size * c.gradient_accumulation_steps;
   if (c.epoch_samples <= 0)
     throw Error(where + " (" + std::to_string(samples) + " samples): --eval-holdout " +
