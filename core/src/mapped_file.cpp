@@ -47,4 +47,12 @@ at::Tensor widen_unsigned(const at::Tensor& carrier, at::ScalarType type) {
   return carrier.to(type).bitwise_and((int64_t{1} << (8 * carrier.element_size())) - 1);
 }
 
+bool valid_bools(const at::Tensor& t) {
+  const auto* b = static_cast<const unsigned char*>(t.data_ptr());
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i)
+    if (b[i] > 1) return false;
+  return true;
+}
+
 }  // namespace fusebox::detail

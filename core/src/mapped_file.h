@@ -1,6 +1,6 @@
 // What the readers of tensor files (safetensors, .npy) share: refusing what is not a regular
-// file, mapping a file into memory for tensors to view, and widening the unsigned types LibTorch
-// lacks.
+// file, mapping a file into memory for tensors to view, widening the unsigned types LibTorch
+// lacks, and checking the bytes of bools.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -37,5 +37,9 @@ class MappedFile {
 /// same width as the unsigned one the file holds (int16 for uint16, int32 for uint32): its
 /// negative values are the unsigned ones at and above 2^(bits - 1).
 at::Tensor widen_unsigned(const at::Tensor& carrier, at::ScalarType type);
+
+/// True if every byte of the bool tensor `t` (contiguous in memory, as read from a file) is 0 or 1,
+/// the only bytes a bool may hold: any other reads back as neither true nor false.
+bool valid_bools(const at::Tensor& t);
 
 }  // namespace fusebox::detail

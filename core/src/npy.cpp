@@ -214,12 +214,8 @@ at::Tensor tensor_of(const Header& h, const char* data, const std::string& where
   }
   t = at::empty_strided(h.shape, strides, opts);
   if (h.data_bytes > 0) std::memcpy(t.data_ptr(), data, h.data_bytes);
-  if (h.type == at::kBool) {
-    const auto* b = static_cast<const unsigned char*>(t.data_ptr());
-    for (uint64_t i = 0; i < h.data_bytes; ++i)
-      if (b[i] > 1)
-        throw Error(where + ": not a valid .npy file: a bool array holds a byte other than 0 or 1");
-  }
+  if (h.type == at::kBool && !detail::valid_bools(t))
+    throw Error(where + ": not a valid .npy file: a bool array holds a byte other than 0 or 1");
   return widened ? detail::widen_unsigned(t, h.type) : t;
 }
 

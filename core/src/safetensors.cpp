@@ -369,13 +369,9 @@ std::map<std::string, at::Tensor> make_tensors(
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(widened ? e.carrier : e.dtype));
     if (e.end > e.begin) read(e.begin, e.end - e.begin, t.data_ptr());
     if (widened) t = detail::widen_unsigned(t, e.dtype);
-    if (e.dtype == at::kBool) {
-      const auto* b = static_cast<const unsigned char*>(t.data_ptr());
-      for (uint64_t i = 0; i < e.end - e.begin; ++i)
-        if (b[i] > 1)
-          throw Error(where + ": not a valid safetensors file: tensor '" + e.name +
-                      "' is BOOL and holds a byte other than 0 or 1");
-    }
+    if (e.dtype == at::kBool && !detail::valid_bools(t))
+      throw Error(where + ": not a valid safetensors file: tensor '" + e.name +
+                  "' is BOOL and holds a byte other than 0 or 1");
     out.emplace(e.name, std::move(t));
   }
   return out;
