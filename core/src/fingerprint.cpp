@@ -1,5 +1,6 @@
 #include "fusebox/core/fingerprint.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cinttypes>
 #include <cstdio>
@@ -44,13 +45,15 @@ bool FileFingerprint::parse(const std::string& text, FileFingerprint& out) {
   return true;
 }
 
-FileFingerprint file_fingerprint(const std::string& path) {
-  constexpr uint64_t kWhole = 8 << 20, kBlock = 64 << 10, kBlocks = 64;
+FileFingerprint file_fingerprint(const std::string& path, uint64_t blocks) {
+  constexpr uint64_t kBlock = 64 << 10;
+  blocks = std::max<uint64_t>(blocks, 2);  // the first and the last at least
+  const uint64_t whole = 2 * blocks * kBlock;
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw Error("data file " + path + " cannot be read");
   FileFingerprint f;
   f.size = static_cast<uint64_t>(in.tellg());
-  f.sampled = f.size > kWhole;
+  f.sampled = f.size > whole;
   f.hash = fnv1a(&f.size, sizeof f.size);
   std::vector<char> block(f.sampled ? kBlock : f.size);
   auto take = [&](uint64_t offset) {
@@ -63,7 +66,7 @@ FileFingerprint file_fingerprint(const std::string& path) {
   if (!f.sampled) {
     take(0);
   } else {
-    for (uint64_t i = 0; i < kBlocks; ++i) take(i * (f.size - kBlock) / (kBlocks - 1));
+    for (uint64_t i = 0; i < blocks; ++i) take(i * (f.size - kBlock) / (blocks - 1));
   }
   return f;
 }

@@ -67,6 +67,26 @@ TEST(Fingerprint, ALargeFileIsSampledAndAnySizeChangeIsSeen) {
   EXPECT_NE(file_fingerprint(write(dir, "b", bytes.substr(1))).hash, a.hash);
 }
 
+// Fewer blocks (a folder's files share the 64 out): whole up to 2 x blocks x 64 KiB, and beyond,
+// at least the first and the last block.
+TEST(Fingerprint, FewerBlocksReadLessAndStillTheEnds) {
+  ScratchDir dir("fingerprint");
+  const std::string small(256 << 10, 'x'), large(1 << 20, 'x');
+  EXPECT_FALSE(file_fingerprint(write(dir, "small", small), 2).sampled);
+  const FileFingerprint a = file_fingerprint(write(dir, "a", large), 2);
+  EXPECT_TRUE(a.sampled);
+  EXPECT_EQ(file_fingerprint(write(dir, "a0", large), 0), a);  // 0 and 1 read two blocks too
+  for (const size_t at : {size_t{0}, large.size() - 1}) {
+    std::string changed = large;
+    changed[at] = 'y';
+    EXPECT_NE(file_fingerprint(write(dir, "b", changed), 2).hash, a.hash) << at;
+  }
+  std::string middle = large;
+  middle[large.size() / 2] = 'y';  // between the two blocks
+  EXPECT_EQ(file_fingerprint(write(dir, "b", middle), 2).hash, a.hash);
+  EXPECT_NE(file_fingerprint(write(dir, "b", middle)).hash, a.hash);  // 64 blocks: 1 MiB is whole
+}
+
 TEST(Fingerprint, TextReadsBackAndMalformedTextIsRefused) {
   ScratchDir dir("fingerprint");
   for (const FileFingerprint f : {FileFingerprint{12, 0xabcdef, false},

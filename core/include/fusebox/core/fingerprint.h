@@ -16,7 +16,7 @@ uint64_t fnv1a(const void* data, size_t n, uint64_t h = 14695981039346656037ULL)
 struct FileFingerprint {
   uint64_t size = 0;     ///< bytes
   uint64_t hash = 0;     ///< FNV-1a of the size and the bytes read
-  bool sampled = false;  ///< true: the hash read 64 blocks of 64 KiB spread over the file
+  bool sampled = false;  ///< true: the hash read blocks of 64 KiB spread over the file
   /// "SIZE:HASH" (hexadecimal), with "~" before the hash when sampled; read back by parse().
   std::string text() const;
   static bool parse(const std::string& text, FileFingerprint& out);
@@ -25,11 +25,12 @@ struct FileFingerprint {
   }
 };
 
-/// The fingerprint of the file at `path`: its size and a hash of all its bytes up to 8 MiB, or of
-/// 64 blocks of 64 KiB spread evenly from its first byte to its last beyond that (4 MiB read
-/// whatever the size, so a dataset of any size costs milliseconds; a change confined to bytes
-/// between the blocks goes unseen, one that changes the size never). Throws Error naming the
-/// file when it cannot be read.
-FileFingerprint file_fingerprint(const std::string& path);
+/// The fingerprint of the file at `path`: its size and a hash of all its bytes up to 2 x `blocks`
+/// x 64 KiB (8 MiB for the default 64), or of `blocks` (at least 2) blocks of 64 KiB spread
+/// evenly from its first byte to its last beyond that (4 MiB read whatever the size, so a dataset
+/// of any size costs milliseconds; a change confined to bytes between the blocks goes unseen, one
+/// that changes the size never). A caller fingerprinting many files gives each fewer blocks.
+/// Throws Error naming the file when it cannot be read.
+FileFingerprint file_fingerprint(const std::string& path, uint64_t blocks = 64);
 
 }  // namespace fusebox
