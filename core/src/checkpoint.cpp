@@ -21,6 +21,8 @@
 #include <regex>
 #include <set>
 
+#include "torch_save.h"
+
 namespace fusebox {
 
 namespace fs = std::filesystem;
@@ -449,7 +451,21 @@ void save_model_weights(const std::vector<std::pair<std::string, at::Tensor>>& p
   write_file_atomically(path, std::string(bytes.begin(), bytes.end()));
 }
 
-std::map<std::string, at::Tensor> load_model_weights(const fs::path& path) {
+std::map<std::string, at::Tensor> load_model_weights(const fs::path& path, bool* mapped) {
+  if (mapped) *mapped = false;
+  // Mapped when it can be: a copy of the file, the pickle's copy of every storage and the tensors
+  // made of them would need three times its size at once.
+  if (fs::is_regular_file(path)) {
+    try {
+      if (auto tensors = detail::map_torch_archive(path)) {
+        if (mapped) *mapped = true;
+        return *std::move(tensors);
+      }
+    } catch (const std::exception& e) {
+      throw Error("model weights " + path.string() + " cannot be decoded (" + first_line(e.what()) +
+                  ")");
+    }
+  }
   const std::string bytes = read_all(path, "model weights");
   try {
     return tensor_map(torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end())));

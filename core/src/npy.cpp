@@ -9,6 +9,7 @@
 
 #include "fusebox/error.h"
 #include "mapped_file.h"
+#include "zip_reader.h"
 
 namespace fusebox {
 
@@ -143,12 +144,7 @@ class DictReader {
   size_t pos_ = 0;
 };
 
-// The little-endian unsigned number in the `bytes` bytes at `p`.
-uint64_t le(const char* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
-  return v;
-}
+uint64_t le(const char* p, int bytes) { return detail::little_endian(p, bytes); }
 
 // The header of the .npy file in the `total` bytes at `p`.
 Header decode(const char* p, uint64_t total, const std::string& where) {
@@ -229,127 +225,18 @@ at::Tensor npy_at(const char* bytes, uint64_t size, const std::string& where,
 
 // ---- .npz: a zip archive of .npy files -------------------------------------------------------
 // Only what np.savez writes is read: stored (uncompressed) entries, so that each array's bytes lie
-// in the archive as they are and can be viewed in place; ZIP64 sizes and offsets (np.savez asks
-// for them); no encryption, one disk. Every size and offset is checked against the archive's.
-
-class ZipReader {
- public:
-  ZipReader(const char* p, uint64_t total, std::string where)
-      : p_(p),
-        total_(total),
-        where_(std::move(where)),
-        bad_(where_ + ": not a valid .npz file: ") {}
-
-  // Each entry's name and the range of its data in the archive.
-  struct Entry {
-    std::string name;
-    uint64_t offset = 0, size = 0;
-  };
-
-  std::vector<Entry> entries() {
-    uint64_t count = 0, dir = 0, dir_size = 0;
-    end_of_directory(count, dir, dir_size);
-    std::vector<Entry> out;
-    uint64_t at = dir;
-    for (uint64_t i = 0; i < count; ++i) {
-      need(at, 46, "a central directory entry");
-      if (le(p_ + at, 4) != 0x02014b50) fail("its central directory is malformed");
-      const uint64_t flags = le(p_ + at + 8, 2), method = le(p_ + at + 10, 2);
-      // A stored entry's compressed size is its size.
-      uint64_t size = le(p_ + at + 20, 4), local = le(p_ + at + 42, 4);
-      const uint64_t name_len = le(p_ + at + 28, 2), extra_len = le(p_ + at + 30, 2),
-                     comment_len = le(p_ + at + 32, 2);
-      need(at + 46, name_len + extra_len + comment_len, "a central directory entry");
-      Entry e;
-      e.name.assign(p_ + at + 46, name_len);
-      if (flags & 1) fail("'" + e.name + "' is encrypted");
-      if (method != 0)
-        fail("'" + e.name +
-             "' is compressed (np.savez_compressed); save the arrays with np.savez, which stores "
-             "them as they are");
-      // ZIP64: the fields at their maximum are in the extra field, in this order.
-      const uint64_t usize = le(p_ + at + 24, 4);
-      const bool big_usize = usize == 0xFFFFFFFF, big_size = size == 0xFFFFFFFF,
-                 big_local = local == 0xFFFFFFFF;
-      if (big_usize || big_size || big_local) {
-        // Offsets, not pointers: a malformed length must not point outside the file.
-        uint64_t x = at + 46 + name_len;
-        const uint64_t x_end = x + extra_len;
-        bool found = false;
-        while (x + 4 <= x_end) {
-          const uint64_t id = le(p_ + x, 2), len = le(p_ + x + 2, 2);
-          if (x + 4 + len > x_end) break;
-          if (id == 1) {
-            uint64_t f = x + 4;
-            const uint64_t f_end = f + len;
-            auto field = [&](bool present, uint64_t& value) {
-              if (!present) return;
-              if (f + 8 > f_end) fail("'" + e.name + "' has a short ZIP64 field");
-              value = le(p_ + f, 8), f += 8;
-            };
-            uint64_t ignored_usize = 0;
-            field(big_usize, ignored_usize);
-            field(big_size, size);
-            field(big_local, local);
-            found = true;
-            break;
-          }
-          x += 4 + len;
-        }
-        if (!found) fail("'" + e.name + "' lacks the ZIP64 sizes its entry points to");
-      }
-      need(local, 30, "the local header of '" + e.name + "'");
-      if (le(p_ + local, 4) != 0x04034b50)
-        fail("the local header of '" + e.name + "' is malformed");
-      const uint64_t start = local + 30 + le(p_ + local + 26, 2) + le(p_ + local + 28, 2);
-      need(start, size, "the data of '" + e.name + "'");
-      e.offset = start, e.size = size;
-      out.push_back(std::move(e));
-      at += 46 + name_len + extra_len + comment_len;
-    }
-    return out;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& why) const { throw Error(bad_ + why); }
-  // Refuses a range [at, at + n) that is not inside the archive.
-  void need(uint64_t at, uint64_t n, const std::string& what) const {
-    if (at > total_ || n > total_ - at)
-      fail(what + " lies past the end of the file (a truncated file?)");
-  }
-  // The end of central directory record (and ZIP64's, when the archive has one).
-  void end_of_directory(uint64_t& count, uint64_t& dir, uint64_t& dir_size) {
-    if (total_ < 22) fail("it is shorter than a zip archive's end record");
-    // The record is 22 bytes and a comment of at most 65535: search back from the end.
-    const uint64_t lowest = total_ > 22 + 65535 ? total_ - 22 - 65535 : 0;
-    uint64_t at = total_ - 22;
-    while (le(p_ + at, 4) != 0x06054b50) {
-      if (at == lowest) fail("it has no zip end record");
-      --at;
-    }
-    if (le(p_ + at + 4, 2) != 0 || le(p_ + at + 6, 2) != 0) fail("it spans several disks");
-    count = le(p_ + at + 10, 2), dir_size = le(p_ + at + 12, 4), dir = le(p_ + at + 16, 4);
-    if (at >= 20 && le(p_ + at - 20, 4) == 0x07064b50) {  // the ZIP64 locator
-      const uint64_t record = le(p_ + at - 20 + 8, 8);
-      need(record, 56, "its ZIP64 end record");
-      if (le(p_ + record, 4) != 0x06064b50) fail("its ZIP64 end record is malformed");
-      count = le(p_ + record + 32, 8), dir_size = le(p_ + record + 40, 8),
-      dir = le(p_ + record + 48, 8);
-    }
-    need(dir, dir_size, "its central directory");
-    if (count > dir_size / 46) fail("its central directory is shorter than its entries");
-  }
-
-  const char* p_;
-  uint64_t total_;
-  std::string where_, bad_;
-};
+// in the archive as they are and can be viewed in place (detail::zip_entries checks the rest).
 
 // The arrays of the .npz archive in the `total` bytes at `p`, by name.
 std::map<std::string, at::Tensor> npz_at(const char* p, uint64_t total, const std::string& where,
                                          const std::shared_ptr<void>& keep) {
   std::map<std::string, at::Tensor> out;
-  for (const ZipReader::Entry& e : ZipReader(p, total, where).entries()) {
+  for (const detail::ZipEntry& e :
+       detail::zip_entries(p, total, where + ": not a valid .npz file: ")) {
+    if (!e.stored)
+      throw Error(where + ": not a valid .npz file: '" + e.name +
+                  "' is compressed (np.savez_compressed); save the arrays with np.savez, which "
+                  "stores them as they are");
     const bool npy = e.name.size() > 4 && e.name.compare(e.name.size() - 4, 4, ".npy") == 0;
     if (!npy)
       throw Error(where + ": not a valid .npz file: it holds '" + e.name +

@@ -2,7 +2,8 @@
 - torch.load reads what the trainer's --save-model writes (.pt), and a safetensors reader (the
   safetensors package when installed, else this file's own, written from the format's
   specification) reads the .safetensors files;
-- the trainer's --init-weights reads what torch.save and a safetensors writer write;
+- the trainer's --init-weights reads what torch.save and a safetensors writer write (torch.save'd
+  views of one storage, and an archive re-zipped compressed, too);
 - a module scripted in Python (torch.jit.script) trains with --model-script on samples written by
   torch.save (--dataset tensors:), its forward taking them by name, and torch.jit.load reads the
   trained module back with the weights the samples were made with;
@@ -110,6 +111,27 @@ save_file(half, path("half.safetensors"))
 run(*MLP, "--output-dir", path("from_st"), "--init-weights", path("half.safetensors"),
     "--save-model", path("from_st.pt"))
 same(half, torch.load(path("from_st.pt")), "safetensors writer -> --init-weights")
+
+# torch.save'd tensors are mapped, each a view of its storage's record: views of one flat storage
+# (torch.save writes it once, each tensor at its offset) must read as themselves.
+flat = torch.cat([v.flatten() for v in half.values()])
+views, at = {}, 0
+for k, v in half.items():
+    views[k] = flat[at:at + v.numel()].view(v.shape)
+    at += v.numel()
+torch.save(views, path("views.pt"))
+run(*MLP, "--output-dir", path("from_views"), "--init-weights", path("views.pt"), "--save-model",
+    path("from_views.pt"))
+same(half, torch.load(path("from_views.pt")), "torch.save'd views of one storage -> --init-weights")
+# Records that cannot be viewed (the archive re-zipped compressed) are read the usual way.
+import zipfile  # noqa: E402
+with zipfile.ZipFile(path("half.pt")) as src, \
+        zipfile.ZipFile(path("deflated.pt"), "w", zipfile.ZIP_DEFLATED) as dst:
+    for info in src.infolist():
+        dst.writestr(info.filename, src.read(info.filename))
+run(*MLP, "--output-dir", path("from_deflated"), "--init-weights", path("deflated.pt"),
+    "--save-model", path("from_deflated.pt"))
+same(half, torch.load(path("from_deflated.pt")), "torch.save re-zipped compressed -> --init-weights")
 
 
 # ---- A module scripted in Python, trained on samples saved by Python ---------------------------

@@ -14,10 +14,13 @@ std::map<std::string, at::Tensor> read_tensor_file(const std::string& path, cons
   // The safetensors reader checks every range itself. Mapped, not read: pages are read as they
   // are used and need not all be in memory at once.
   const bool safetensors = looks_like_safetensors(head) || is_safetensors_path(path);
-  if (mapped) *mapped = safetensors;
-  if (safetensors) return map_safetensors(path);
+  if (safetensors) {
+    if (mapped) *mapped = true;
+    return map_safetensors(path);
+  }
+  // A torch.save'd file is mapped too when its records can be viewed as they are.
   const ReadCrashGuard guard(error_line(crash_line));
-  return load_model_weights(path);
+  return load_model_weights(path, mapped);
 }
 
 bool all_finite(const at::Tensor& t) {

@@ -14,7 +14,8 @@ namespace fusebox::trainer {
 /// The tensors of the file at `path`, whose first bytes are `head` (read_file_head): a safetensors
 /// file (told by its bytes or its name) is mapped into memory (map_safetensors), anything else is
 /// read as torch.save's {name: tensor} dict under a ReadCrashGuard whose line is `crash_line`
-/// (LibTorch's reader may crash on a malformed file). `mapped`, when given, says which it was.
+/// (LibTorch's reader may crash on a malformed file), mapped too when its records can be viewed
+/// as they are. `mapped`, when given, says whether the tensors view the mapped file.
 std::map<std::string, at::Tensor> read_tensor_file(const std::string& path, const std::string& head,
                                                    const std::string& crash_line,
                                                    bool* mapped = nullptr);

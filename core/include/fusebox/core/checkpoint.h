@@ -76,8 +76,11 @@ void restore_rng_state(const std::map<std::string, at::Tensor>& states);
 /// `torch.load(path)` returns a dict of tensors), atomically.
 void save_model_weights(const std::vector<std::pair<std::string, at::Tensor>>& params,
                         const std::filesystem::path& path);
-/// Reads what save_model_weights() wrote.
-std::map<std::string, at::Tensor> load_model_weights(const std::filesystem::path& path);
+/// Reads what save_model_weights() or Python's torch.save of a dict of tensors wrote. The file is
+/// mapped when its records can be viewed as they are (what PyTorch writes; `*mapped` says so):
+/// the tensors view its pages, copy-on-write, and hold the mapping.
+std::map<std::string, at::Tensor> load_model_weights(const std::filesystem::path& path,
+                                                     bool* mapped = nullptr);
 
 /// A file's first `n` bytes (fewer if it is shorter or cannot be read), to tell formats apart.
 std::string read_file_head(const std::filesystem::path& path, size_t n = 16);

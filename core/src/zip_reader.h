@@ -1,0 +1,27 @@
+// The entries of a zip archive held in memory, as np.savez and torch.save write them: names and
+// where each entry's bytes lie, so that a reader can view them in place. Every size and offset is
+// checked against the archive's; ZIP64 sizes and offsets are read; encrypted and multi-disk
+// archives are refused.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fusebox::detail {
+
+struct ZipEntry {
+  std::string name;
+  uint64_t offset = 0;  ///< of the entry's data, from the archive's start
+  uint64_t size = 0;    ///< of the data as stored (compressed, if `stored` is false)
+  bool stored = true;   ///< false: compressed (its bytes are not the entry's content)
+};
+
+/// The entries of the archive in the `total` bytes at `p`, in the central directory's order.
+/// Throws Error starting with `bad` ("x.npz: not a valid .npz file: ") and saying what is wrong.
+std::vector<ZipEntry> zip_entries(const char* p, uint64_t total, const std::string& bad);
+
+/// The little-endian unsigned number in the `bytes` bytes at `p`.
+uint64_t little_endian(const char* p, int bytes);
+
+}  // namespace fusebox::detail

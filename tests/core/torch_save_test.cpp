@@ -1,0 +1,95 @@
+// torch.save'd files read by mapping: the tensors view the file, nothing is copied, a write in
+// place stays in the process, and a pickle that claims more bytes than its record is refused.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <iterator>
+
+#include "../error_of.h"
+#include "../scratch_dir.h"
+#include "fusebox/core/checkpoint.h"
+#include "fusebox/core/memory_tracker.h"
+
+using namespace fusebox;
+using fusebox::testing::error_of;
+using fusebox::testing::ScratchDir;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Whether the file at `path` is mapped into this process now.
+bool is_mapped(const fs::path& path) {
+  std::ifstream maps("/proc/self/maps");
+  const std::string all((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
+  return all.find(fs::canonical(path).string()) != std::string::npos;
+}
+
+std::string bytes_of(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+TEST(TorchSave, AFileIsMappedAndItsTensorsViewItWithoutCopies) {
+  const ScratchDir scratch("torch-save-map");
+  const fs::path file = scratch.path() / "weights.pt";
+  const at::Tensor big = at::randn({1024, 1024});  // 4 MiB
+  const at::Tensor ids = at::arange(10, at::kLong), half = at::randn({3, 5}).to(at::kBFloat16);
+  save_model_weights({{"big", big}, {"ids", ids}, {"half", half}, {"none", at::empty({0, 4})}},
+                     file);
+
+  memory::install_cpu_tracking();
+  const int64_t base = memory::current_bytes();
+  memory::reset_peak();
+  bool mapped = false;
+  std::map<std::string, at::Tensor> back = load_model_weights(file, &mapped);
+  EXPECT_TRUE(mapped);
+  // Read into memory, the 4 MiB would be allocated at least once as tensors.
+  EXPECT_LT(memory::peak_bytes() - base, 256 * 1024);
+  ASSERT_EQ(back.size(), 4u);
+  EXPECT_TRUE(at::equal(back.at("big"), big));
+  EXPECT_TRUE(at::equal(back.at("ids"), ids));
+  EXPECT_TRUE(at::equal(back.at("half"), half));
+  EXPECT_EQ(back.at("none").sizes(), (std::vector<int64_t>{0, 4}));
+  EXPECT_TRUE(is_mapped(file));
+
+  // Copy-on-write: a write in place changes this process's tensor, never the file.
+  back.at("big").fill_(7.0);
+  EXPECT_TRUE(at::equal(load_model_weights(file).at("big"), big));
+  back.clear();
+  EXPECT_FALSE(is_mapped(file));  // the last tensor gone, the file is unmapped
+}
+
+TEST(TorchSave, AStorageLargerThanItsRecordIsRefused) {
+  const ScratchDir scratch("torch-save-short");
+  const fs::path file = scratch.path() / "w.pt";
+  save_model_weights({{"w", at::tensor({1.0f, 2.0f, 3.0f, 4.0f})}}, file);
+  // The pickle's storage length and size, 4 (BININT1 4), made 8: the zip stays valid, the
+  // record holds 16 bytes and the pickle asks for 32.
+  std::string bytes = bytes_of(file);
+  const size_t begin = bytes.find("data.pkl"), end = bytes.find("PK", begin);
+  ASSERT_NE(begin, std::string::npos);
+  int patched = 0;
+  for (size_t at = bytes.find("K\x04", begin); at < end; at = bytes.find("K\x04", at + 2))
+    bytes[at + 1] = '\x08', ++patched;
+  ASSERT_EQ(patched, 2);  // the storage's length and the tensor's size
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  const std::string msg = error_of([&] { load_model_weights(file); });
+  EXPECT_NE(msg.find("model weights " + file.string() + " cannot be decoded"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("'w' needs 32 bytes of storage, and its record holds 16"), std::string::npos)
+      << msg;
+}
+
+TEST(TorchSave, AFileThatIsNoArchiveGetsTheReadersMessage) {
+  const ScratchDir scratch("torch-save-bad");
+  const fs::path file = scratch.path() / "w.pt";
+  std::ofstream(file, std::ios::binary) << "PK\x03\x04 but nothing more";
+  bool mapped = true;
+  const std::string msg = error_of([&] { load_model_weights(file, &mapped); });
+  EXPECT_NE(msg.find("model weights " + file.string() + " cannot be decoded"), std::string::npos)
+      << msg;
+  EXPECT_FALSE(mapped);
+}
