@@ -38,6 +38,17 @@ class MappedFile {
 /// negative values are the unsigned ones at and above 2^(bits - 1).
 at::Tensor widen_unsigned(const at::Tensor& carrier, at::ScalarType type);
 
+/// The 8-bit float formats of safetensors' F8_E4M3 (float8_e4m3fn: no infinities, one NaN per
+/// sign) and F8_E5M2 (IEEE-like, the top byte of a float16).
+enum class Float8 { kNone, kE4M3, kE5M2 };
+
+/// The value the 8-bit float `bits` of `format` stands for.
+float float8_value(uint8_t bits, Float8 format);
+
+/// A bfloat16 tensor holding the values of `bytes` (uint8, contiguous), 8-bit floats of `format`:
+/// every such value is exact in bfloat16 (more exponent and mantissa bits), so nothing is rounded.
+at::Tensor widen_float8(const at::Tensor& bytes, Float8 format);
+
 /// True if every byte of the bool tensor `t` (contiguous in memory, as read from a file) is 0 or 1,
 /// the only bytes a bool may hold: any other reads back as neither true nor false.
 bool valid_bools(const at::Tensor& t);

@@ -35,8 +35,10 @@ struct DtypeName {
   /// file's bytes, each value then widened into `type` (U16 into int32, U32 into int64), so token
   /// ids of a 65k vocabulary read as they are. Undefined for the others.
   at::ScalarType carrier = at::ScalarType::Undefined;
+  /// F8_E4M3 and F8_E5M2 (8-bit float weights): their bytes (carrier uint8) widened into bf16.
+  detail::Float8 float8 = detail::Float8::kNone;
 };
-// The widened types come last: a tensor written out is I32 or I64, never U16 or U32.
+// The widened types come last: a tensor written out is I32, I64 or BF16, never U16, U32 or F8.
 constexpr DtypeName kDtypes[] = {{"F64", at::kDouble},
                                  {"F32", at::kFloat},
                                  {"F16", at::kHalf},
@@ -48,7 +50,9 @@ constexpr DtypeName kDtypes[] = {{"F64", at::kDouble},
                                  {"U8", at::kByte},
                                  {"BOOL", at::kBool},
                                  {"U16", at::kInt, at::kShort},
-                                 {"U32", at::kLong, at::kInt}};
+                                 {"U32", at::kLong, at::kInt},
+                                 {"F8_E4M3", at::kBFloat16, at::kByte, detail::Float8::kE4M3},
+                                 {"F8_E5M2", at::kBFloat16, at::kByte, detail::Float8::kE5M2}};
 
 const DtypeName* name_of(at::ScalarType type) {
   for (const DtypeName& d : kDtypes)
@@ -249,7 +253,8 @@ class JsonParser {
 struct Entry {
   std::string name;
   at::ScalarType dtype;
-  at::ScalarType carrier = at::ScalarType::Undefined;  ///< U16/U32: the file's bytes, as signed
+  at::ScalarType carrier = at::ScalarType::Undefined;  ///< U16/U32/F8: the file's bytes
+  detail::Float8 float8 = detail::Float8::kNone;
   std::vector<int64_t> shape;
   uint64_t begin = 0, end = 0;
 };
@@ -306,9 +311,9 @@ Header decode_header(const std::string& json, uint64_t buffer_bytes, const std::
                                      [&](const DtypeName& d) { return dtype->text == d.name; });
     if (known == std::end(kDtypes))
       throw Error(tensor + "dtype '" + dtype->text +
-                  "' is not one fusebox reads (F64, F32, F16, BF16, I64, I32, I16, I8, U8, U16, "
-                  "U32, BOOL)");
-    e.dtype = known->type, e.carrier = known->carrier;
+                  "' is not one fusebox reads (F64, F32, F16, BF16, F8_E4M3, F8_E5M2, I64, I32, "
+                  "I16, I8, U8, U16, U32, BOOL)");
+    e.dtype = known->type, e.carrier = known->carrier, e.float8 = known->float8;
     if (shape->items.size() > kMaxRank)
       throw Error(tensor + "has " + std::to_string(shape->items.size()) + " dimensions");
     uint64_t bytes = c10::elementSize(e.carrier == at::ScalarType::Undefined ? e.dtype : e.carrier);
@@ -368,7 +373,10 @@ std::map<std::string, at::Tensor> make_tensors(
     const bool widened = e.carrier != at::ScalarType::Undefined;
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(widened ? e.carrier : e.dtype));
     if (e.end > e.begin) read(e.begin, e.end - e.begin, t.data_ptr());
-    if (widened) t = detail::widen_unsigned(t, e.dtype);
+    if (e.float8 != detail::Float8::kNone)
+      t = detail::widen_float8(t, e.float8);
+    else if (widened)
+      t = detail::widen_unsigned(t, e.dtype);
     if (e.dtype == at::kBool && !detail::valid_bools(t))
       throw Error(where + ": not a valid safetensors file: tensor '" + e.name +
                   "' is BOOL and holds a byte other than 0 or 1");

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -158,6 +159,52 @@ TEST(Safetensors, UnsignedTensorsAreWidenedWithTheirValues) {
             std::string::npos);
 }
 
+// 8-bit float weights (float8_e4m3fn, float8_e5m2, as published fp8 checkpoints hold them) read
+// as bf16 with every value exact.
+TEST(Safetensors, Float8TensorsAreWidenedIntoBf16Exactly) {
+  std::string e4m3, e5m2;
+  for (int b = 0; b < 256; ++b) e4m3 += static_cast<char>(b), e5m2 += static_cast<char>(b);
+  const std::string file =
+      file_of(R"({"a":{"dtype":"F8_E4M3","shape":[16,16],"data_offsets":[0,256]},)"
+              R"("b":{"dtype":"F8_E5M2","shape":[256],"data_offsets":[256,512]}})",
+              e4m3 + e5m2);
+  ScratchDir dir("safetensors-f8");
+  const std::string path = (dir.path() / "f8.safetensors").string();
+  std::ofstream(path, std::ios::binary) << file;
+  for (const auto& t : {parse_safetensors(file, "mem"), map_safetensors(path)}) {
+    ASSERT_EQ(t.at("a").scalar_type(), at::kBFloat16);
+    ASSERT_EQ(t.at("a").sizes(), (at::IntArrayRef{16, 16}));
+    const at::Tensor a = t.at("a").flatten().to(at::kFloat), b = t.at("b").to(at::kFloat);
+    auto v = [&](int code) { return a[code].item<float>(); };
+    // E4M3 (bias 7, 3 mantissa bits, no infinities): the values that pin the format down.
+    EXPECT_EQ(v(0x00), 0.0f);
+    EXPECT_EQ(v(0x01), std::ldexp(1.0f, -9));  // the smallest subnormal
+    EXPECT_EQ(v(0x07), 7 * std::ldexp(1.0f, -9));
+    EXPECT_EQ(v(0x08), std::ldexp(1.0f, -6));  // the smallest normal
+    EXPECT_EQ(v(0x38), 1.0f);
+    EXPECT_EQ(v(0x39), 1.125f);
+    EXPECT_EQ(v(0x7E), 448.0f);  // the largest
+    EXPECT_TRUE(std::isnan(v(0x7F)) && std::isnan(v(0xFF)));
+    for (int code = 1; code < 0x7F; ++code) {
+      EXPECT_GT(v(code), v(code - 1)) << code;  // every code a value of its own, in order
+      EXPECT_EQ(v(code | 0x80), -v(code)) << code;
+    }
+    // E5M2 is the top byte of an IEEE float16: every code against LibTorch's float16.
+    std::vector<uint16_t> halves;
+    for (int code = 0; code < 256; ++code) halves.push_back(static_cast<uint16_t>(code << 8));
+    const at::Tensor half = at::from_blob(halves.data(), {256}, at::kShort).view(at::kHalf);
+    const at::Tensor want = half.to(at::kFloat);
+    EXPECT_TRUE(at::equal(at::isnan(b), at::isnan(want)));
+    EXPECT_TRUE(at::equal(at::nan_to_num(b, 0.0, 1e9, -1e9), at::nan_to_num(want, 0.0, 1e9, -1e9)));
+    EXPECT_EQ(b[0x7B].item<float>(), 57344.0f);
+    EXPECT_TRUE(std::isinf(b[0x7C].item<float>()) && std::isnan(b[0x7D].item<float>()));
+  }
+  // Written back, they are BF16.
+  EXPECT_NE(
+      encode_safetensors({{"a", parse_safetensors(file, "m").at("a")}}).find(R"("dtype":"BF16")"),
+      std::string::npos);
+}
+
 TEST(Safetensors, EveryBadFileIsOneErrorNamingTheFault) {
   const std::string f32x2(8, '\0');
   const std::string ok = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
@@ -180,8 +227,8 @@ TEST(Safetensors, EveryBadFileIsOneErrorNamingTheFault) {
        "the name 'dtype' given twice"},
       {file_of(R"({"w\q":{}})", f32x2), "an unknown escape"},
       {file_of(R"({"w\ud800":{}})", f32x2), "a high surrogate without its low one"},
-      {file_of(R"({"w":{"dtype":"F8_E4M3","shape":[8],"data_offsets":[0,8]}})", f32x2),
-       "tensor 'w': dtype 'F8_E4M3' is not one fusebox reads"},
+      {file_of(R"({"w":{"dtype":"F8_E8M0","shape":[8],"data_offsets":[0,8]}})", f32x2),
+       "tensor 'w': dtype 'F8_E8M0' is not one fusebox reads"},
       {file_of(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", f32x2),
        "its data_offsets span 8 bytes, its dtype and shape need 12"},
       {file_of(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", f32x2),
