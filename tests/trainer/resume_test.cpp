@@ -375,6 +375,59 @@ TEST(TrainerResume, AChangedDataFileIsNamedInAWarning) {
             0u);
 }
 
+// The evaluation's own file is fingerprinted too: evaluation losses over another file do not
+// compare with the checkpoint's run's (nor with the best loss it kept).
+TEST(TrainerResume, AChangedEvaluationFileIsNamedInAWarning) {
+  TempDir tmp;
+  std::string text, held;
+  for (int i = 0; i < 400; ++i) text += "the quick brown fox " + std::to_string(i) + "\n";
+  for (int i = 0; i < 100; ++i) held += "a lazy dog " + std::to_string(i) + "\n";
+  const std::string data = tmp.write("data.txt", text), eval = tmp.write("eval.txt", held);
+  const std::vector<std::string> on_text = {"--dataset",
+                                            "text:" + data,
+                                            "--eval-dataset",
+                                            "text:" + eval,
+                                            "--eval-every",
+                                            "2",
+                                            "--save-every-n-steps",
+                                            "2",
+                                            "--save-model-at",
+                                            "best",
+                                            "--save-model",
+                                            tmp.file("best.pt")};
+  const std::string a = tmp.file("a");
+  auto r = run_trainer(with(base_args(a, "sgd", 4), on_text));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string ckpt = a + "/" + fusebox::checkpoint_name(2);
+  EXPECT_EQ(fusebox::load_checkpoint(ckpt).meta.count("eval_data_fingerprint"), 1u);
+  r = run_trainer(with(base_args(tmp.file("same"), "sgd", 4), with(on_text, {"--resume", ckpt})));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err.find("is not the file"), std::string::npos) << r.err;
+
+  tmp.write("eval.txt", held + "and more\n");
+  r = run_trainer(with(base_args(tmp.file("other"), "sgd", 4), with(on_text, {"--resume", ckpt})));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("trainer: warning: --resume: --eval-dataset text:" + eval +
+                       " is not the file the checkpoint's run evaluated on (" +
+                       std::to_string(held.size() + 9) + " bytes, the checkpoint's run read " +
+                       std::to_string(held.size()) +
+                       "): this run's evaluation losses do not compare with that run's, nor with "
+                       "the best loss it kept (--save-model-at best, --early-stop-patience)\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("--dataset text:" + data + " is not the file"), std::string::npos) << r.err;
+
+  // Evaluating on the training file's held-out part: --dataset's fingerprint covers it.
+  r = run_trainer(with(base_args(tmp.file("holdout"), "sgd", 2),
+                       {"--dataset", "text:" + data, "--eval-holdout", "0.1", "--eval-every", "2",
+                        "--save-every-n-steps", "2"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto meta =
+      fusebox::load_checkpoint(tmp.file("holdout") + "/" + fusebox::checkpoint_name(2)).meta;
+  EXPECT_EQ(meta.count("data_fingerprint"), 1u);
+  EXPECT_EQ(meta.count("eval_data_fingerprint"), 0u);
+}
+
 // A folder another run has written since the checkpoint (a fresh run into it) does not lend that
 // run's records as the resumed run's history: a warning, and the files start after the resume.
 TEST(TrainerResume, MetricsOfAnotherRunAreNotTakenAsTheHistory) {

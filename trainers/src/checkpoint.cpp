@@ -253,15 +253,16 @@ std::string restore_loss_scale(const Checkpoint& ckpt, LossScaler& scaler) {
   return "";
 }
 
-std::string data_fingerprint(const TrainConfig& c) {
-  if (c.dataset != "text" && c.dataset != "tensors") return "";
-  const std::string where = "--dataset " + c.dataset + ":" + c.dataset_path;
-  const std::vector<std::string> files = c.dataset == "tensors"
-                                             ? data_files(where, c.dataset_path)
-                                             : std::vector<std::string>{c.dataset_path};
+std::string data_fingerprint(const TrainConfig& c, bool evaluation) {
+  const std::string& dataset = evaluation ? c.eval_dataset : c.dataset;
+  const std::string& path = evaluation ? c.eval_dataset_path : c.dataset_path;
+  if (dataset != "text" && dataset != "tensors") return "";
+  if (evaluation && (!c.evaluates() || (dataset == c.dataset && path == c.dataset_path))) return "";
+  const std::string where = (evaluation ? "--eval-dataset " : "--dataset ") + dataset + ":" + path;
+  const std::vector<std::string> files =
+      dataset == "tensors" ? data_files(where, path) : std::vector<std::string>{path};
   try {
-    if (files.size() == 1 && files.front() == c.dataset_path)
-      return file_fingerprint(c.dataset_path).text();
+    if (files.size() == 1 && files.front() == path) return file_fingerprint(path).text();
     // A folder: every file's name, size and hash, in order, in one hash (and the sizes' sum).
     // The 64 blocks of one file are shared out among the files, so that a folder of many large
     // shards is not read 4 MiB a file at every start.
@@ -283,8 +284,8 @@ std::string data_fingerprint(const TrainConfig& c) {
 }
 
 std::string data_changed_since(const Checkpoint& ckpt, const TrainConfig& c,
-                               const std::string& fingerprint) {
-  auto it = ckpt.meta.find("data_fingerprint");
+                               const std::string& fingerprint, bool evaluation) {
+  auto it = ckpt.meta.find(evaluation ? "eval_data_fingerprint" : "data_fingerprint");
   if (it == ckpt.meta.end() || fingerprint.empty() || it->second == fingerprint) return "";
   FileFingerprint was, is;
   const bool known =
@@ -293,6 +294,13 @@ std::string data_changed_since(const Checkpoint& ckpt, const TrainConfig& c,
                               ? "the same size, other content"
                               : std::to_string(is.size) + " bytes, the checkpoint's run read " +
                                     std::to_string(was.size);
+  if (evaluation)
+    return "--eval-dataset " + c.eval_dataset + ":" + c.eval_dataset_path +
+           " is not the file the checkpoint's run evaluated on (" + how +
+           "): this run's evaluation losses do not compare with that run's" +
+           (c.save_best_eval || c.early_stop_patience > 0
+                ? ", nor with the best loss it kept (--save-model-at best, --early-stop-patience)"
+                : "");
   return "--dataset " + c.dataset + ":" + c.dataset_path +
          " is not the file the checkpoint's run trained on (" + how +
          "): training goes on over this file's data, so it will not equal an uninterrupted run";
@@ -362,6 +370,8 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   ckpt.meta["config"] = c.resolved_config;
   if (ctx.data_fingerprint && !ctx.data_fingerprint->empty())
     ckpt.meta["data_fingerprint"] = *ctx.data_fingerprint;
+  if (ctx.eval_data_fingerprint && !ctx.eval_data_fingerprint->empty())
+    ckpt.meta["eval_data_fingerprint"] = *ctx.eval_data_fingerprint;
   fs::create_directories(c.output_dir, ec);
   save_checkpoint(ckpt, path);
   mark_latest_checkpoint(path);

@@ -90,20 +90,24 @@ struct CheckpointContext {
   const ParameterEma* ema = nullptr;                   ///< --ema-decay: saved when given
   /// The training data file's fingerprint (data_fingerprint()); saved when not empty.
   const std::string* data_fingerprint = nullptr;
+  /// The evaluation's own file's (data_fingerprint(config, true)); saved when not empty.
+  const std::string* eval_data_fingerprint = nullptr;
 };
 
 /// The fingerprint (fusebox::file_fingerprint's text) of the file --dataset trains on (text: or
 /// tensors:; for a folder of tensors files, one over every file's name, size and hash), "" for
-/// data made by the trainer (synthetic, none). Throws Error naming the option
-/// when the file cannot be read.
-std::string data_fingerprint(const TrainConfig& config);
+/// data made by the trainer (synthetic, none). With `evaluation`, that of the file
+/// --eval-dataset names, "" when the run does not evaluate or evaluates on --dataset's file (its
+/// held-out part, which --dataset's fingerprint covers). Throws Error naming the option when the
+/// file cannot be read.
+std::string data_fingerprint(const TrainConfig& config, bool evaluation = false);
 
-/// When the checkpoint's run trained on a file whose fingerprint differs from `fingerprint`
-/// (this run's data_fingerprint()): a warning saying how (its size, or its content) and that the
-/// run goes on over this data; "" when they match, or when either has none (synthetic data, or
-/// a checkpoint from before fingerprints were saved).
+/// When the checkpoint's run trained (`evaluation`: evaluated) on a file whose fingerprint differs
+/// from `fingerprint` (this run's data_fingerprint()): a warning saying how (its size, or its
+/// content) and what follows for this run; "" when they match, or when either has none (data
+/// made by the trainer, or a checkpoint from before such fingerprints were saved).
 std::string data_changed_since(const Checkpoint& ckpt, const TrainConfig& config,
-                               const std::string& fingerprint);
+                               const std::string& fingerprint, bool evaluation = false);
 
 /// Continues `scaler` from the scale a checkpoint saved (a dynamic scale goes on where it was);
 /// nothing when the checkpoint has none (written without loss scaling). A dynamic scale whose

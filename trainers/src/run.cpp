@@ -560,11 +560,15 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                 "an uninterrupted run");
   // The data file is fingerprinted (4 MiB read at most) so that a resumed run knows whether it
   // goes on over the data the checkpoint's run trained on (rank 0 writes and resumes the files).
-  const std::string data_print =
-      dist.leader() && (resumed || !c.output_dir.empty()) ? data_fingerprint(c) : "";
+  const bool prints = dist.leader() && (resumed || !c.output_dir.empty());
+  const std::string data_print = prints ? data_fingerprint(c) : "";
+  const std::string eval_data_print = prints ? data_fingerprint(c, true) : "";
   if (resumed)
-    if (const std::string changed = data_changed_since(*resumed, c, data_print); !changed.empty())
-      resume_warnings.push_back(changed);
+    for (const bool evaluation : {false, true})
+      if (const std::string changed = data_changed_since(
+              *resumed, c, evaluation ? eval_data_print : data_print, evaluation);
+          !changed.empty())
+        resume_warnings.push_back(changed);
   if (resumed && resumed->meta.count("plugin_version") &&
       resumed->meta.at("plugin_version") != plugin.info().version)
     resume_warnings.push_back(resumed_from + " was written by " + plugin.info().name + " " +
@@ -792,7 +796,8 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
                                    &files.last_record(),  // the newest metrics record
                                    &best_eval,
                                    ema ? &*ema : nullptr,
-                                   &data_print};
+                                   &data_print,
+                                   &eval_data_print};
   Progress progress(con.out, con.terminal, c.max_train_steps, c.log_every,
                     c.name.empty() ? "" : "[" + c.name + "]", first_step);
   end_bar_line = [&progress] { progress.finish(); };
