@@ -534,17 +534,23 @@ std::map<std::string, at::Tensor> map_safetensors(const fs::path& path,
 }
 
 std::map<std::string, at::Tensor> map_safetensors_index(const fs::path& index) {
+  return map_weights_index(index, [](const fs::path& file) { return map_safetensors(file); });
+}
+
+std::map<std::string, at::Tensor> map_weights_index(const fs::path& index,
+                                                    const ShardReader& read_shard) {
   const std::string where = index.string();
+  const std::string bad = where + ": not a " +
+                          (is_safetensors_index_path(index) ? "safetensors" : "sharded weights") +
+                          " index: ";
   detail::require_regular_file(index);
   std::error_code ec;
   const uint64_t size = fs::file_size(index, ec);
-  if (ec || size > kMaxHeaderBytes)
-    throw Error(where + ": not a safetensors index: larger than 100 MiB");
+  if (ec || size > kMaxHeaderBytes) throw Error(bad + "larger than 100 MiB");
   std::ifstream in(index, std::ios::binary);
   std::string text(size, '\0');
   if (!in || !in.read(text.data(), static_cast<std::streamsize>(size)))
     throw Error("cannot read " + where + ": " + std::strerror(errno));
-  const std::string bad = where + ": not a safetensors index: ";
   const Json root = JsonParser(text, where).document();
   const Json* weight_map = root.kind == Json::Kind::Object ? member(root, "weight_map") : nullptr;
   if (!weight_map || weight_map->kind != Json::Kind::Object)
@@ -562,7 +568,7 @@ std::map<std::string, at::Tensor> map_safetensors_index(const fs::path& index) {
                   "', which is not a file name beside the index");
     auto it = shards.find(file.text);
     if (it == shards.end())
-      it = shards.emplace(file.text, map_safetensors(index.parent_path() / shard)).first;
+      it = shards.emplace(file.text, read_shard(index.parent_path() / shard)).first;
     auto t = it->second.find(name);
     if (t == it->second.end())
       throw Error(bad + "it puts '" + name + "' in " + file.text + ", which does not hold it");
@@ -576,11 +582,23 @@ std::map<std::string, at::Tensor> map_safetensors_index(const fs::path& index) {
   return out;
 }
 
-bool is_safetensors_index_path(const fs::path& path) {
+namespace {
+
+bool ends_with(const fs::path& path, const std::string& suffix) {
   const std::string name = path.filename().string();
-  const std::string suffix = ".safetensors.index.json";
   return name.size() > suffix.size() &&
          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+bool is_safetensors_index_path(const fs::path& path) {
+  return ends_with(path, ".safetensors.index.json");
+}
+
+bool is_weights_index_path(const fs::path& path) {
+  return is_safetensors_index_path(path) || ends_with(path, ".bin.index.json") ||
+         ends_with(path, ".pt.index.json") || ends_with(path, ".pth.index.json");
 }
 
 bool is_safetensors_path(const fs::path& path) { return path.extension() == ".safetensors"; }

@@ -90,27 +90,33 @@ TEST_F(TrainerInitWeights, TheRunStartsFromTheFilesValues) {
   }
 }
 
-// A model in two safetensors files with Hugging Face's index: --init-weights INDEX reads every
-// tensor from its file.
-TEST_F(TrainerInitWeights, AShardedSafetensorsModelIsReadThroughItsIndex) {
-  std::vector<std::pair<std::string, at::Tensor>> first, second;
-  std::string weight_map;
-  for (const auto& [name, t] : weights) {
-    const bool one = first.size() <= second.size();
-    (one ? first : second).emplace_back(name, t);
-    weight_map += std::string(weight_map.empty() ? "" : ", ") + "\"" + name + "\": \"model-0000" +
-                  (one ? "1" : "2") + "-of-00002.safetensors\"";
+// A model in two files with Hugging Face's index: --init-weights INDEX reads every tensor from its
+// file, safetensors (model.safetensors.index.json) or torch.save'd (pytorch_model.bin.index.json).
+TEST_F(TrainerInitWeights, AShardedModelIsReadThroughItsIndex) {
+  for (const std::string format : {"safetensors", "bin"}) {
+    const std::string stem = format == "bin" ? "pytorch_model" : "model";
+    std::vector<std::pair<std::string, at::Tensor>> first, second;
+    std::string weight_map;
+    for (const auto& [name, t] : weights) {
+      const bool one = first.size() <= second.size();
+      (one ? first : second).emplace_back(name, t);
+      weight_map += std::string(weight_map.empty() ? "" : ", ") + "\"" + name + "\": \"" + stem +
+                    "-0000" + (one ? "1" : "2") + "-of-00002." + format + "\"";
+    }
+    for (const auto& [part, file] :
+         {std::pair{&first, "-00001-of-00002."}, std::pair{&second, "-00002-of-00002."}}) {
+      const std::string path = tmp.file(stem + file + format);
+      format == "bin" ? save_model_weights(*part, path) : save_safetensors(*part, path);
+    }
+    const std::string index = tmp.file(stem + "." + format + ".index.json");
+    std::ofstream(index) << "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {" << weight_map
+                         << "}}";
+    const Result r = run_trainer(join(mlp(tmp.file("sharded-" + format), 1),
+                                      {"--init-weights", index, "--lr-scale", "*=0", "--save-model",
+                                       tmp.file("sharded-" + format + ".pt")}));
+    ASSERT_EQ(r.code, 0) << r.err;
+    expect_same(weights, load_model_weights(tmp.file("sharded-" + format + ".pt")), format);
   }
-  save_safetensors(first, tmp.file("model-00001-of-00002.safetensors"));
-  save_safetensors(second, tmp.file("model-00002-of-00002.safetensors"));
-  const std::string index = tmp.file("model.safetensors.index.json");
-  std::ofstream(index) << "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {" << weight_map
-                       << "}}";
-  const Result r =
-      run_trainer(join(mlp(tmp.file("sharded"), 1), {"--init-weights", index, "--lr-scale", "*=0",
-                                                     "--save-model", tmp.file("sharded.pt")}));
-  ASSERT_EQ(r.code, 0) << r.err;
-  expect_same(weights, load_model_weights(tmp.file("sharded.pt")), "sharded");
 }
 
 // A file saved from a DistributedDataParallel and torch.compile wrapper ("module._orig_mod."

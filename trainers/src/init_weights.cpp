@@ -19,10 +19,22 @@ namespace {
 
 using Named = std::vector<std::pair<std::string, at::Tensor>>;
 
+// The line a crash of LibTorch's reader on `file` gets.
+std::string crash_line(const std::string& file) {
+  return "--init-weights: " + file +
+         " cannot be read: LibTorch's reader crashed on it (a malformed file); write it again "
+         "with --save-model or torch.save(model.state_dict(), path)";
+}
+
 // Every tensor the file holds, by name; `step` is set for a checkpoint.
 std::map<std::string, at::Tensor> read_saved(const std::string& path, int64_t* step) {
-  // A model in several safetensors files: the index names each tensor's file.
+  // A model in several files: the index names each tensor's file (safetensors, or torch.save'd
+  // files for a .bin.index.json).
   if (is_safetensors_index_path(path)) return map_safetensors_index(path);
+  if (is_weights_index_path(path))
+    return map_weights_index(path, [&](const std::filesystem::path& file) {
+      return read_tensor_file(file.string(), read_file_head(file), crash_line(file.string()));
+    });
   const std::string head = read_file_head(path);
   if (looks_like_checkpoint(head)) {
     Checkpoint ckpt = load_checkpoint(path);  // its own reader: checks every length
@@ -32,11 +44,7 @@ std::map<std::string, at::Tensor> read_saved(const std::string& path, int64_t* s
     return all;
   }
   // A safetensors file is mapped: each tensor's pages are read as it is copied into the model.
-  return read_tensor_file(path, head,
-                          "--init-weights: " + path +
-                              " cannot be read: LibTorch's reader crashed on it (a malformed "
-                              "file); write it again with --save-model or "
-                              "torch.save(model.state_dict(), path)");
+  return read_tensor_file(path, head, crash_line(path));
 }
 
 // "'a', 'b' and 3 more"

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -52,6 +53,14 @@ std::map<std::string, at::Tensor> map_safetensors(
 /// a file that the index does not list, and each fault of a file.
 std::map<std::string, at::Tensor> map_safetensors_index(const std::filesystem::path& index);
 
+/// Reads one file of a sharded model: its tensors by name.
+using ShardReader =
+    std::function<std::map<std::string, at::Tensor>(const std::filesystem::path& file)>;
+/// The same for an index whose files `read_shard` reads: Hugging Face's sharded PyTorch format,
+/// `NAME.bin.index.json` beside torch.save'd files (load_model_weights), has the same index.
+std::map<std::string, at::Tensor> map_weights_index(const std::filesystem::path& index,
+                                                    const ShardReader& read_shard);
+
 /// The same for a file's bytes already in memory; `where` names them in errors.
 std::map<std::string, at::Tensor> parse_safetensors(
     const std::string& bytes, const std::string& where,
@@ -66,5 +75,8 @@ bool is_safetensors_path(const std::filesystem::path& path);
 
 /// True if `path` names a sharded safetensors index (it ends in .safetensors.index.json).
 bool is_safetensors_index_path(const std::filesystem::path& path);
+/// True if `path` names a sharded model's index: .safetensors.index.json, or .bin.index.json (and
+/// .pt/.pth.index.json) for torch.save'd files.
+bool is_weights_index_path(const std::filesystem::path& path);
 
 }  // namespace fusebox
