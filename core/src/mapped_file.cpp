@@ -46,7 +46,8 @@ MappedFile::~MappedFile() {
 }
 
 at::Tensor widen_unsigned(const at::Tensor& carrier, at::ScalarType type) {
-  return carrier.to(type).bitwise_and((int64_t{1} << (8 * carrier.element_size())) - 1);
+  // In place on the new tensor: no second temporary of the widened size.
+  return carrier.to(type).bitwise_and_((int64_t{1} << (8 * carrier.element_size())) - 1);
 }
 
 float float8_value(uint8_t bits, Float8 format) {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
 #include "mapped_file.h"
 #include "zip_reader.h"
@@ -218,8 +219,14 @@ at::Tensor tensor_of(const Header& h, const char* data, const std::string& where
 // The array of the .npy file in the `size` bytes at `bytes`; `keep`, when given, holds their
 // memory for a tensor that views them.
 at::Tensor npy_at(const char* bytes, uint64_t size, const std::string& where,
-                  const std::shared_ptr<void>& keep) {
-  const Header h = decode(bytes, size, where);
+                  const std::shared_ptr<void>& keep, at::ScalarType* unsigned_type = nullptr) {
+  Header h = decode(bytes, size, where);
+  if (unsigned_type) {
+    // uint16/uint32 kept as their signed carriers, to be viewed like any other array.
+    *unsigned_type = at::ScalarType::Undefined;
+    if (h.carrier != at::ScalarType::Undefined)
+      *unsigned_type = h.type, h.type = h.carrier, h.carrier = at::ScalarType::Undefined;
+  }
   return tensor_of(h, bytes + h.data_offset, where, keep);
 }
 
@@ -229,7 +236,9 @@ at::Tensor npy_at(const char* bytes, uint64_t size, const std::string& where,
 
 // The arrays of the .npz archive in the `total` bytes at `p`, by name.
 std::map<std::string, at::Tensor> npz_at(const char* p, uint64_t total, const std::string& where,
-                                         const std::shared_ptr<void>& keep) {
+                                         const std::shared_ptr<void>& keep,
+                                         UnsignedTypes* unsigned_types = nullptr) {
+  if (unsigned_types) unsigned_types->clear();
   std::map<std::string, at::Tensor> out;
   for (const detail::ZipEntry& e :
        detail::zip_entries(p, total, where + ": not a valid .npz file: ")) {
@@ -242,7 +251,10 @@ std::map<std::string, at::Tensor> npz_at(const char* p, uint64_t total, const st
       throw Error(where + ": not a valid .npz file: it holds '" + e.name +
                   "', which is not a .npy file");
     const std::string name = e.name.substr(0, e.name.size() - 4);
-    at::Tensor t = npy_at(p + e.offset, e.size, where + " '" + name + "'", keep);
+    at::ScalarType widens = at::ScalarType::Undefined;
+    at::Tensor t = npy_at(p + e.offset, e.size, where + " '" + name + "'", keep,
+                          unsigned_types ? &widens : nullptr);
+    if (widens != at::ScalarType::Undefined) (*unsigned_types)[name] = widens;
     if (!out.emplace(name, std::move(t)).second)
       throw Error(where + ": not a valid .npz file: it holds '" + e.name + "' twice");
   }
@@ -268,20 +280,21 @@ std::map<std::string, at::Tensor> parse_npz(const std::string& bytes, const std:
   return npz_at(bytes.data(), bytes.size(), where, nullptr);
 }
 
-std::map<std::string, at::Tensor> map_npz(const std::filesystem::path& path) {
+std::map<std::string, at::Tensor> map_npz(const std::filesystem::path& path,
+                                          UnsignedTypes* unsigned_types) {
   const std::string where = path.string();
   const std::shared_ptr<detail::MappedFile> file = detail::MappedFile::open(path, where);
-  return npz_at(file->data(), file->size(), where, file);
+  return npz_at(file->data(), file->size(), where, file, unsigned_types);
 }
 
 at::Tensor parse_npy(const std::string& bytes, const std::string& where) {
   return npy_at(bytes.data(), bytes.size(), where, nullptr);
 }
 
-at::Tensor map_npy(const std::filesystem::path& path) {
+at::Tensor map_npy(const std::filesystem::path& path, at::ScalarType* unsigned_type) {
   const std::string where = path.string();
   const std::shared_ptr<detail::MappedFile> file = detail::MappedFile::open(path, where);
-  return npy_at(file->data(), file->size(), where, file);
+  return npy_at(file->data(), file->size(), where, file, unsigned_type);
 }
 
 }  // namespace fusebox

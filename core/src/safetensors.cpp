@@ -503,13 +503,23 @@ std::map<std::string, at::Tensor> load_safetensors(const fs::path& path,
 }
 
 std::map<std::string, at::Tensor> map_safetensors(const fs::path& path,
-                                                  std::map<std::string, std::string>* metadata) {
+                                                  std::map<std::string, std::string>* metadata,
+                                                  UnsignedTypes* unsigned_types) {
   const std::string where = path.string();
   const std::shared_ptr<detail::MappedFile> mapping = detail::MappedFile::open(path, where);
   const uint64_t total = mapping->size();
   const uint64_t n = header_size(mapping->data(), total, where);
-  const Header h = decode_header(std::string(mapping->data() + 8, n), total - 8 - n, where);
+  Header h = decode_header(std::string(mapping->data() + 8, n), total - 8 - n, where);
   if (metadata) *metadata = h.metadata;
+  if (unsigned_types) {
+    // U16/U32 kept as their signed carriers, to be viewed like any other tensor.
+    unsigned_types->clear();
+    for (Entry& e : h.entries) {
+      if (e.carrier == at::ScalarType::Undefined || e.float8 != detail::Float8::kNone) continue;
+      (*unsigned_types)[e.name] = e.dtype;
+      e.dtype = e.carrier, e.carrier = at::ScalarType::Undefined;
+    }
+  }
   const char* data = mapping->data() + 8 + n;
   // Aligned tensors view the mapping; the others (and those read as bools, which are checked)
   // are copied out.
@@ -602,6 +612,10 @@ bool is_weights_index_path(const fs::path& path) {
 }
 
 bool is_safetensors_path(const fs::path& path) { return path.extension() == ".safetensors"; }
+
+at::Tensor widen_unsigned(const at::Tensor& carrier, at::ScalarType type) {
+  return detail::widen_unsigned(carrier, type);
+}
 
 bool looks_like_safetensors(const std::string& head) {
   return head.size() >= 9 && head[8] == '{' && read_le64(head.data()) <= kMaxHeaderBytes;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <numeric>
@@ -20,6 +21,7 @@
 #include "config.h"
 #include "data.h"
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/safetensors.h"
 #include "fusebox/error.h"
 #include "tensor_data.h"
@@ -178,6 +180,52 @@ TEST(TrainerTensorData, ATokenStreamIsReadAsWindows) {
   EXPECT_EQ(error_of([&] { make_data(c); }),
             "--dataset tensors:" + c.dataset_path +
                 ": 'ids' holds token id 40, outside --vocab-size 40 (ids 0 to 39)");
+}
+
+// Unsigned token ids (numpy's uint16, safetensors' U16) stay in the mapped file and are widened
+// batch by batch: the stream takes no memory of its size, and ids above 32767 keep their values.
+TEST(TrainerTensorData, AnUnsignedTokenStreamStaysMappedAndIsWidenedPerBatch) {
+  TempDir tmp;
+  const int64_t n = int64_t{1} << 25;  // 64 MiB of uint16 ids; widened to int32, 128 MiB
+  std::string raw(static_cast<size_t>(2 * n), '\0');
+  for (int64_t i = 0; i < n; ++i) {
+    const auto id = static_cast<uint16_t>((i * 7919) % 60000);
+    std::memcpy(&raw[static_cast<size_t>(2 * i)], &id, 2);
+  }
+  const std::string count = std::to_string(n);
+  std::string dict = "{'descr': '<u2', 'fortran_order': False, 'shape': (" + count + ",), }";
+  dict += std::string((64 - (10 + dict.size() + 1) % 64) % 64, ' ') + "\n";  // as np.save pads
+  const std::string npy =
+      std::string("\x93NUMPY\x01\x00", 8) + static_cast<char>(dict.size()) + '\0' + dict + raw;
+  std::string header = R"({"ids":{"dtype":"U16","shape":[)" + count + R"(],"data_offsets":[0,)" +
+                       std::to_string(2 * n) + "]}}";
+  header += std::string((8 - header.size() % 8) % 8, ' ');
+  const uint64_t header_bytes = header.size();
+  const std::string st =
+      std::string(reinterpret_cast<const char*>(&header_bytes), 8) + header + raw;
+  raw.clear();
+  for (const auto& [name, bytes] :
+       {std::pair{"ids.npy", &npy}, std::pair{"ids.safetensors", &st}}) {
+    TrainConfig c = mlp_config(tmp.write(name, *bytes), 4);
+    c.model = "transformer", c.seq_len = 16, c.vocab_size = 60000;
+    memory::install_cpu_tracking();
+    const int64_t base = memory::current_bytes();
+    memory::reset_peak();
+    std::unique_ptr<DataSource> data = make_data(c);
+    // The checks go through the ids in pieces: a few pieces' worth, not the widened stream.
+    EXPECT_LT(memory::peak_bytes() - base, 32 << 20) << name;
+    EXPECT_NE(data->describe().find("ids [17] Int, windows of a stream of " + count + " ids"),
+              std::string::npos)
+        << data->describe();
+    const Batch b = data->pass_batch(1);  // windows 4 to 7, in the file's order
+    ASSERT_EQ(b.input.scalar_type(), at::kLong);
+    for (int64_t r = 0; r < 4; ++r)
+      for (int64_t j = 0; j < 16; ++j)
+        ASSERT_EQ(b.input[r][j].item<int64_t>(), ((4 + r) * 16 + j) * 7919 % 60000) << name;
+    EXPECT_GT(b.input.max().item<int64_t>(), 32767);
+    c.vocab_size = 50000;
+    EXPECT_NE(error_of([&] { make_data(c); }).find("holds token id 59"), std::string::npos);
+  }
 }
 
 // A file's values are read once per process (the evaluation stream does not check them again),

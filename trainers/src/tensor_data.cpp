@@ -31,8 +31,11 @@ enum class Layout {
 };
 
 // "[8] Float" for a tensor of [N, 8] floats: one sample's shape, and the type.
-std::string sample_text(const at::Tensor& t) {
-  return c10::str(t.sizes().slice(1)) + " " + std::string(c10::toString(t.scalar_type()));
+// "[3] Float": a sample's shape and the type the model gets (`type`, when given: that of an
+// unsigned tensor kept in its carrier).
+std::string sample_text(const at::Tensor& t, at::ScalarType type = at::ScalarType::Undefined) {
+  return c10::str(t.sizes().slice(1)) + " " +
+         std::string(c10::toString(type == at::ScalarType::Undefined ? t.scalar_type() : type));
 }
 
 // What a --dataset tensors: file may be, for the errors that name what to give.
@@ -41,21 +44,28 @@ constexpr const char* kGive =
     "tensor} dict of samples";
 
 // Every tensor in the file, by name; `mapped` tells whether they view the file mapped into memory
-// (a safetensors, .npy or .npz file: a file larger than memory trains, and local ranks share its
-// pages) or were read into memory (torch.save's format). A .npy file's one array is named after
-// the file (train.npy: 'train'), an .npz file's arrays by their names in it.
+// (a file larger than memory trains, and local ranks share its pages) or were read into memory (a
+// torch.save'd file whose records cannot be viewed). Unsigned uint16/uint32 tensors stay in their
+// signed carriers, mapped, and `unsigned_types` names them (batches are widened as they are
+// gathered). A .npy file's one array is named after the file (train.npy: 'train'), an .npz file's
+// arrays by their names in it.
 std::map<std::string, at::Tensor> read_tensors(const std::string& where, const std::string& path,
-                                               bool& mapped) {
+                                               bool& mapped, UnsignedTypes& unsigned_types) {
   const std::string head = read_file_head(path, 512);  // an .npz's first entry name too
   if (looks_like_checkpoint(head))
     throw Error(where + " is a fusebox checkpoint, not data: " + kGive);
+  unsigned_types.clear();
   if (looks_like_npy(head)) {
     mapped = true;
-    return {{std::filesystem::path(path).stem().string(), map_npy(path)}};
+    const std::string name = std::filesystem::path(path).stem().string();
+    at::ScalarType widens = at::ScalarType::Undefined;
+    at::Tensor t = map_npy(path, &widens);
+    if (widens != at::ScalarType::Undefined) unsigned_types[name] = widens;
+    return {{name, std::move(t)}};
   }
   if (looks_like_npz(head)) {
     mapped = true;
-    return map_npz(path);
+    return map_npz(path, &unsigned_types);
   }
   // torch.save writes a zip archive.
   if (!looks_like_safetensors(head) && !is_safetensors_path(path) &&
@@ -66,14 +76,14 @@ std::map<std::string, at::Tensor> read_tensors(const std::string& where, const s
                               " cannot be read: LibTorch's reader crashed on it (a malformed "
                               "file); write it again with torch.save or "
                               "safetensors.torch.save_file",
-                          &mapped);
+                          &mapped, &unsigned_types);
 }
 
 // read_tensors, its errors all starting with `where`.
 std::map<std::string, at::Tensor> read_file(const std::string& where, const std::string& path,
-                                            bool& mapped) {
+                                            bool& mapped, UnsignedTypes& unsigned_types) {
   try {
-    return read_tensors(where, path, mapped);
+    return read_tensors(where, path, mapped, unsigned_types);
   } catch (const Error& e) {
     const std::string what = e.what();
     if (what.rfind(where, 0) == 0) throw;
@@ -183,7 +193,8 @@ const std::pair<const std::string, at::Tensor>& only_tensor(
 
 // The transformer's token ids: [N, seq_len + 1] integers below the vocabulary size.
 void check_tokens(const std::string& where, const TrainConfig& c,
-                  const std::map<std::string, at::Tensor>& all, bool values = true) {
+                  const std::map<std::string, at::Tensor>& all, const UnsignedTypes& unsigned_types,
+                  bool values = true) {
   const std::string reads = "the transformer reads one tensor of token ids [samples, " +
                             std::to_string(c.seq_len + 1) +
                             "] (--seq-len + 1: input and next "
@@ -199,9 +210,12 @@ void check_tokens(const std::string& where, const TrainConfig& c,
                      : ""));
   if (!values) return;
   int64_t low = 0, high = 0;
+  const auto widens = unsigned_types.find(name);
   in_pieces(t, [&](const at::Tensor& piece) {
-    low = std::min(low, piece.min().item<int64_t>());
-    high = std::max(high, piece.max().item<int64_t>());
+    const at::Tensor ids =
+        widens == unsigned_types.end() ? piece : widen_unsigned(piece, widens->second);
+    low = std::min(low, ids.min().item<int64_t>());
+    high = std::max(high, ids.max().item<int64_t>());
   });
   if (low < 0 || high >= c.vocab_size)
     throw Error(what + " holds token id " + std::to_string(low < 0 ? low : high) +
@@ -261,6 +275,8 @@ uint64_t mix(uint64_t x) {
 struct Column {
   std::string name;
   std::vector<at::Tensor> pieces;
+  /// An unsigned tensor kept in its signed carrier: the type its gathered rows are widened into.
+  at::ScalarType widens = at::ScalarType::Undefined;
 };
 
 class TensorData : public DataSource {
@@ -304,7 +320,11 @@ class TensorData : public DataSource {
   Batch batch_of(const at::Tensor& rows, at::Generator& gen) const {
     const int64_t n = rows.size(0);
     Named picked;
-    for (const Column& column : columns_) picked.emplace_back(column.name, gather(column, rows));
+    for (const Column& column : columns_) {
+      at::Tensor t = gather(column, rows);
+      if (column.widens != at::ScalarType::Undefined) t = widen_unsigned(t, column.widens);
+      picked.emplace_back(column.name, std::move(t));
+    }
     Batch b;
     switch (layout_) {
       case Layout::kScriptInput:
@@ -415,6 +435,7 @@ namespace {
 struct Shard {
   std::string where;  ///< the option and the file, for errors
   std::map<std::string, at::Tensor> all;
+  UnsignedTypes unsigned_types;  ///< unsigned tensors of `all`, kept in their carriers
   bool mapped = false;
   int64_t ids = 0;  ///< the transformer's token stream: its ids (0: rows of samples)
   int64_t samples = 0;
@@ -450,7 +471,7 @@ std::set<std::string>& checked_files() {
 Shard open_shard(const std::string& label, const TrainConfig& c, const std::string& file) {
   Shard s;
   s.where = label + " tensors:" + file;
-  s.all = read_file(s.where, file, s.mapped);
+  s.all = read_file(s.where, file, s.mapped, s.unsigned_types);
   s.ids = stream_to_windows(s.where, c, s.all);
   s.samples = count_samples(s.where, s.all);
   return s;
@@ -473,6 +494,19 @@ std::string names_of(const std::map<std::string, at::Tensor>& all) {
   return out;
 }
 
+// The tensors of `s` with the unsigned ones widened (the models that refuse them name their type).
+const std::map<std::string, at::Tensor>& widened(Shard& s) {
+  for (const auto& [name, type] : s.unsigned_types) s.all[name] = widen_unsigned(s.all[name], type);
+  s.unsigned_types.clear();
+  return s.all;
+}
+
+// The type the model gets of tensor `name` of `s`: an unsigned one's widened type, else its own.
+at::ScalarType type_read(const Shard& s, const std::string& name) {
+  auto it = s.unsigned_types.find(name);
+  return it == s.unsigned_types.end() ? s.all.at(name).scalar_type() : it->second;
+}
+
 // The files of a folder hold the same tensors, each of the same kind of sample.
 void check_like_first(const Shard& first, const Shard& s) {
   if (names_of(s.all) != names_of(first.all))
@@ -480,9 +514,11 @@ void check_like_first(const Shard& first, const Shard& s) {
                 names_of(first.all) + ": every file of a folder holds the same tensors");
   for (const auto& [name, t] : s.all) {
     const at::Tensor& t0 = first.all.at(name);
-    if (t.scalar_type() != t0.scalar_type() || t.sizes().slice(1) != t0.sizes().slice(1))
-      throw Error(s.where + ": '" + name + "' holds samples " + sample_text(t) + ", and in " +
-                  first.where + " " + sample_text(t0) +
+    const at::ScalarType type = type_read(s, name), type0 = type_read(first, name);
+    if (t.scalar_type() != t0.scalar_type() || type != type0 ||
+        t.sizes().slice(1) != t0.sizes().slice(1))
+      throw Error(s.where + ": '" + name + "' holds samples " + sample_text(t, type) + ", and in " +
+                  first.where + " " + sample_text(t0, type0) +
                   ": every file of a folder holds samples of one shape and type");
   }
 }
@@ -502,11 +538,11 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
     if (c.model_script)
       layout = script_layout(s.where, s.all, forward);
     else if (c.model == "transformer")
-      check_tokens(s.where, c, s.all, s.values), layout = Layout::kTokens;
+      check_tokens(s.where, c, s.all, s.unsigned_types, s.values), layout = Layout::kTokens;
     else if (c.model == "denoiser")
-      check_images(s.where, c, s.all), layout = Layout::kImages;
+      check_images(s.where, c, widened(s)), layout = Layout::kImages;
     else
-      check_regression(s.where, c, s.all), layout = Layout::kRegression;
+      check_regression(s.where, c, widened(s)), layout = Layout::kRegression;
     if (!shards.empty()) check_like_first(shards.front(), s);
     if (!s.key.empty()) checked_files().insert(s.key);
     size += s.samples, ids += s.ids;
@@ -534,6 +570,9 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
   std::vector<Column> columns;
   auto add = [&](const std::string& name) {
     Column column{name, {}};
+    if (auto it = shards.front().unsigned_types.find(name);
+        it != shards.front().unsigned_types.end())
+      column.widens = it->second;
     int64_t first = 0;  // the shard's first sample
     for (const Shard& s : shards) {
       const int64_t lo = std::max(begin, first), hi = std::min(end, first + s.samples);
@@ -567,7 +606,8 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
               : std::to_string(size) + " samples";
   text += ": ";
   for (size_t i = 0; i < columns.size(); ++i)
-    text += (i ? ", " : "") + columns[i].name + " " + sample_text(columns[i].pieces.front());
+    text += (i ? ", " : "") + columns[i].name + " " +
+            sample_text(columns[i].pieces.front(), columns[i].widens);
   if (ids > 0)
     text +=
         std::string(files.size() == 1 ? ", windows of a stream of " : ", windows of streams of ") +

@@ -10,13 +10,14 @@
 namespace fusebox::trainer {
 
 std::map<std::string, at::Tensor> read_tensor_file(const std::string& path, const std::string& head,
-                                                   const std::string& crash_line, bool* mapped) {
+                                                   const std::string& crash_line, bool* mapped,
+                                                   UnsignedTypes* unsigned_types) {
   // The safetensors reader checks every range itself. Mapped, not read: pages are read as they
   // are used and need not all be in memory at once.
   const bool safetensors = looks_like_safetensors(head) || is_safetensors_path(path);
   if (safetensors) {
     if (mapped) *mapped = true;
-    return map_safetensors(path);
+    return map_safetensors(path, nullptr, unsigned_types);
   }
   // A torch.save'd file is mapped too when its records can be viewed as they are.
   const ReadCrashGuard guard(error_line(crash_line));

@@ -9,16 +9,21 @@
 #include <map>
 #include <string>
 
+#include "fusebox/core/safetensors.h"
+
 namespace fusebox::trainer {
 
 /// The tensors of the file at `path`, whose first bytes are `head` (read_file_head): a safetensors
 /// file (told by its bytes or its name) is mapped into memory (map_safetensors), anything else is
 /// read as torch.save's {name: tensor} dict under a ReadCrashGuard whose line is `crash_line`
 /// (LibTorch's reader may crash on a malformed file), mapped too when its records can be viewed
-/// as they are. `mapped`, when given, says whether the tensors view the mapped file.
+/// as they are. `mapped`, when given, says whether the tensors view the mapped file;
+/// `unsigned_types`, when given, keeps a safetensors file's U16/U32 tensors unwidened
+/// (map_safetensors).
 std::map<std::string, at::Tensor> read_tensor_file(const std::string& path, const std::string& head,
                                                    const std::string& crash_line,
-                                                   bool* mapped = nullptr);
+                                                   bool* mapped = nullptr,
+                                                   UnsignedTypes* unsigned_types = nullptr);
 
 /// Calls `check` on consecutive pieces of `t`, flattened: whole rows (first-dimension slices) of
 /// about 2^22 elements, at least one row, so that checking a file larger than memory makes no

@@ -9,6 +9,8 @@
 #include <map>
 #include <string>
 
+#include "fusebox/core/safetensors.h"
+
 namespace fusebox {
 
 /// The array of a .npy file, mapped into memory as map_safetensors maps (copy-on-write; the file
@@ -16,8 +18,11 @@ namespace fusebox {
 /// arrays viewed with column-major strides. Little-endian float64/32/16, int64/32/16/8, uint8 and
 /// bool are read as they are, uint16 and uint32 widened into int32 and int64 (copied); big-endian,
 /// structured and object arrays, and other types are refused. Throws Error naming the file and the
-/// fault (a truncated file, a malformed header, a bool that is not 0 or 1).
-at::Tensor map_npy(const std::filesystem::path& path);
+/// fault (a truncated file, a malformed header, a bool that is not 0 or 1). With `unsigned_type`,
+/// uint16 and uint32 are kept as they lie, as map_safetensors keeps U16/U32: the array in its
+/// signed carrier type (viewed), and `*unsigned_type` the type widen_unsigned() makes of it
+/// (Undefined for other arrays).
+at::Tensor map_npy(const std::filesystem::path& path, at::ScalarType* unsigned_type = nullptr);
 
 /// The same for a file's bytes in memory (copied into the tensor); `where` names them in errors.
 at::Tensor parse_npy(const std::string& bytes, const std::string& where);
@@ -31,8 +36,10 @@ bool looks_like_npy(const std::string& head);
 /// copied when not (np.savez does not align them). ZIP64 archives are read; compressed
 /// (np.savez_compressed), encrypted or multi-disk archives, entries that are not .npy files and
 /// entries whose ranges leave the file are refused with Error naming the file and the fault. The
-/// entries' CRCs are not checked (that would read every byte).
-std::map<std::string, at::Tensor> map_npz(const std::filesystem::path& path);
+/// entries' CRCs are not checked (that would read every byte). `unsigned_types` as for map_npy,
+/// by array name.
+std::map<std::string, at::Tensor> map_npz(const std::filesystem::path& path,
+                                          UnsignedTypes* unsigned_types = nullptr);
 
 /// The same for an archive's bytes in memory (copied into the tensors).
 std::map<std::string, at::Tensor> parse_npz(const std::string& bytes, const std::string& where);

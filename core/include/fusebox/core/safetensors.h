@@ -18,6 +18,9 @@
 
 namespace fusebox {
 
+/// Tensors of unsigned integers kept in their signed carriers, by name: the type each widens into.
+using UnsignedTypes = std::map<std::string, at::ScalarType>;
+
 /// The file's bytes for `tensors` (moved to the CPU, made contiguous), with `metadata` as its
 /// `__metadata__` (`format: pt` unless given). Tensors are laid out by decreasing element size,
 /// then name, so every one starts aligned to its element size. Throws Error for a dtype the format
@@ -43,8 +46,20 @@ std::map<std::string, at::Tensor> load_safetensors(
 /// the operating system reads pages as they are used and may drop them again: a file larger than
 /// memory can be used, and processes that map one file share its pages. The file must not be
 /// shortened while mapped (a page past its new end kills the process with SIGBUS).
+///
+/// With `unsigned_types`, U16 and U32 tensors are not widened: each is returned as its bytes lie,
+/// in the signed type of its width (int16, int32; viewed in the mapping when aligned, like any
+/// other tensor), and `(*unsigned_types)[name]` is the type widen_unsigned() makes of it (int32,
+/// int64). A large uint16 token stream then costs no memory of its own; its reader widens what
+/// it uses.
 std::map<std::string, at::Tensor> map_safetensors(
-    const std::filesystem::path& path, std::map<std::string, std::string>* metadata = nullptr);
+    const std::filesystem::path& path, std::map<std::string, std::string>* metadata = nullptr,
+    UnsignedTypes* unsigned_types = nullptr);
+
+/// The values of an unsigned tensor kept in `carrier`, the signed type of its width (int16 for
+/// uint16, int32 for uint32; negative carrier values are those at and above 2^(bits - 1)), as
+/// `type` (int32 or int64): a new tensor.
+at::Tensor widen_unsigned(const at::Tensor& carrier, at::ScalarType type);
 
 /// The tensors of a model saved in several safetensors files (Hugging Face's sharded format): the
 /// index, `NAME.safetensors.index.json`, maps each tensor's name ("weight_map") to the file beside
