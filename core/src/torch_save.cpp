@@ -34,6 +34,21 @@ uint64_t format_version(const std::string& text) {
   return v;
 }
 
+// Whether every element of `t` lies inside its storage (none does when it has no elements).
+bool reaches_only_its_storage(const at::Tensor& t) {
+  if (t.numel() == 0) return true;
+  if (t.storage_offset() < 0) return false;
+  // 128 bits: a crafted size times a crafted stride must not wrap around.
+  constexpr __int128 kFar = __int128{1} << 100;
+  __int128 last = t.storage_offset();  // the element furthest into the storage
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) < 0) return false;
+    last += static_cast<__int128>(t.size(d) - 1) * t.stride(d);
+    if (last > kFar) return false;
+  }
+  return (last + 1) * t.element_size() <= static_cast<__int128>(t.storage().nbytes());
+}
+
 }  // namespace
 
 std::optional<std::map<std::string, at::Tensor>> map_torch_archive(
@@ -111,6 +126,13 @@ std::optional<std::map<std::string, at::Tensor>> map_torch_archive(
   for (const auto& e : value.toGenericDict()) {
     const std::string& name = e.key().toStringRef();
     at::Tensor t = e.value().toTensor();
+    // The unpickler sets each tensor's sizes and strides as the pickle says, unchecked: the bytes
+    // it reaches must lie in its storage.
+    if (t.defined() && !reaches_only_its_storage(t))
+      throw Error(where + ": '" + name + "' (sizes " + c10::str(t.sizes()) + ", strides " +
+                  c10::str(t.strides()) + ", offset " + std::to_string(t.storage_offset()) +
+                  ") reaches past its storage of " + std::to_string(t.storage().nbytes()) +
+                  " bytes");
     if (t.defined() && t.storage().nbytes() > 0) {
       auto it = record_bytes.find(t.storage().data());
       if (it == record_bytes.end() || t.storage().nbytes() > it->second)

@@ -1,5 +1,6 @@
 // torch.save'd files read by mapping: the tensors view the file, nothing is copied, a write in
-// place stays in the process, and a pickle that claims more bytes than its record is refused.
+// place stays in the process, and a pickle that claims more bytes than its record holds is
+// refused.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -62,7 +63,7 @@ TEST(TorchSave, AFileIsMappedAndItsTensorsViewItWithoutCopies) {
   EXPECT_FALSE(is_mapped(file));  // the last tensor gone, the file is unmapped
 }
 
-TEST(TorchSave, AStorageLargerThanItsRecordIsRefused) {
+TEST(TorchSave, AStorageOrTensorReachingPastItsRecordIsRefused) {
   const ScratchDir scratch("torch-save-short");
   const fs::path file = scratch.path() / "w.pt";
   save_model_weights({{"w", at::tensor({1.0f, 2.0f, 3.0f, 4.0f})}}, file);
@@ -76,10 +77,19 @@ TEST(TorchSave, AStorageLargerThanItsRecordIsRefused) {
     bytes[at + 1] = '\x08', ++patched;
   ASSERT_EQ(patched, 2);  // the storage's length and the tensor's size
   std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
-  const std::string msg = error_of([&] { load_model_weights(file); });
+  std::string msg = error_of([&] { load_model_weights(file); });
   EXPECT_NE(msg.find("model weights " + file.string() + " cannot be decoded"), std::string::npos)
       << msg;
   EXPECT_NE(msg.find("'w' needs 32 bytes of storage, and its record holds 16"), std::string::npos)
+      << msg;
+
+  // The tensor's size alone made 8: its storage fits its record, the tensor reaches past both
+  // (LibTorch's unpickler sets sizes and strides unchecked).
+  bytes[bytes.find("K\x08", begin) + 1] = '\x04';  // the first: the storage's length
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  msg = error_of([&] { load_model_weights(file); });
+  EXPECT_NE(msg.find("'w' (sizes [8], strides [1], offset 0) reaches past its storage of 16 bytes"),
+            std::string::npos)
       << msg;
 }
 
