@@ -577,8 +577,11 @@ std::map<std::string, at::Tensor> map_weights_index(const fs::path& index,
       throw Error(bad + "'" + name + "' is in '" + file.text +
                   "', which is not a file name beside the index");
     auto it = shards.find(file.text);
-    if (it == shards.end())
-      it = shards.emplace(file.text, read_shard(index.parent_path() / shard)).first;
+    if (it == shards.end()) try {  // the index named the file: say so
+        it = shards.emplace(file.text, read_shard(index.parent_path() / shard)).first;
+      } catch (const Error& e) {
+        throw Error(where + ": " + e.what());
+      }
     auto t = it->second.find(name);
     if (t == it->second.end())
       throw Error(bad + "it puts '" + name + "' in " + file.text + ", which does not hold it");

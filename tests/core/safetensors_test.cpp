@@ -359,6 +359,10 @@ TEST(Safetensors, AShardedModelReadsThroughItsIndex) {
   EXPECT_TRUE(is_safetensors_index_path(dir.file("model.safetensors.index.json")));
   EXPECT_FALSE(is_safetensors_index_path(dir.file("model.safetensors")));
   EXPECT_FALSE(is_safetensors_index_path(dir.file(".safetensors.index.json")));
+  EXPECT_TRUE(is_weights_index_path(dir.file("model.safetensors.index.json")));
+  EXPECT_TRUE(is_weights_index_path(dir.file("pytorch_model.bin.index.json")));
+  EXPECT_FALSE(is_weights_index_path(dir.file("pytorch_model.bin")));
+  EXPECT_FALSE(is_weights_index_path(dir.file("data.index.json")));
 
   const std::string path = dir.file("model.safetensors.index.json");
   const std::vector<std::pair<std::string, std::string>> cases = {
@@ -372,7 +376,7 @@ TEST(Safetensors, AShardedModelReadsThroughItsIndex) {
        "model-00001-of-00002.safetensors holds 'layer.0.bias', which the index does not list"},
       {R"("head.weight": 3)", "the file of 'head.weight' is not a string"},
       {R"("head.weight": "model-00003-of-00002.safetensors")",
-       "model-00003-of-00002.safetensors does not exist"}};
+       path + ": " + dir.file("model-00003-of-00002.safetensors") + " does not exist"}};
   for (const auto& [entries, expected] : cases) {
     const std::string& weight_map = entries;  // a lambda may not capture a structured binding
     const std::string e = error_of([&] { map_safetensors_index(index(weight_map)); });
