@@ -3,7 +3,7 @@
   safetensors package when installed, else this file's own, written from the format's
   specification) reads the .safetensors files;
 - the trainer's --init-weights reads what torch.save and a safetensors writer write (torch.save'd
-  views of one storage, and an archive re-zipped compressed, too);
+  views of one storage, an archive re-zipped compressed, and fp8 safetensors weights, too);
 - a module scripted in Python (torch.jit.script) trains with --model-script on samples written by
   torch.save (--dataset tensors:), its forward taking them by name, and torch.jit.load reads the
   trained module back with the weights the samples were made with;
@@ -123,6 +123,24 @@ torch.save(views, path("views.pt"))
 run(*MLP, "--output-dir", path("from_views"), "--init-weights", path("views.pt"), "--save-model",
     path("from_views.pt"))
 same(half, torch.load(path("from_views.pt")), "torch.save'd views of one storage -> --init-weights")
+# fp8 weights (safetensors F8_E4M3, as published fp8 checkpoints hold them) start a run with
+# their exact values: the codes of 0.5, 1, -1, 0.125, 448 (the largest) and 2^-9 (the smallest).
+E4M3 = {0x30: 0.5, 0x38: 1.0, 0xB8: -1.0, 0x20: 0.125, 0x7E: 448.0, 0x01: 2.0 ** -9}
+header, blobs, offset, fp8_values = {}, [], 0, {}
+for k, v in half.items():
+    codes = [list(E4M3)[i % len(E4M3)] for i in range(v.numel())]
+    header[k] = {"dtype": "F8_E4M3", "shape": list(v.shape),
+                 "data_offsets": [offset, offset + v.numel()]}
+    fp8_values[k] = torch.tensor([E4M3[c] for c in codes], dtype=v.dtype).view(v.shape)
+    blobs.append(bytes(codes))
+    offset += v.numel()
+raw_header = json.dumps(header).encode()
+raw_header += b" " * ((8 - len(raw_header) % 8) % 8)
+with open(path("fp8.safetensors"), "wb") as f:
+    f.write(struct.pack("<Q", len(raw_header)) + raw_header + b"".join(blobs))
+run(*MLP, "--output-dir", path("from_fp8"), "--init-weights", path("fp8.safetensors"),
+    "--save-model", path("from_fp8.pt"))
+same(fp8_values, torch.load(path("from_fp8.pt")), "safetensors F8_E4M3 -> --init-weights")
 # Records that cannot be viewed (the archive re-zipped compressed) are read the usual way.
 import zipfile  # noqa: E402
 with zipfile.ZipFile(path("half.pt")) as src, \
