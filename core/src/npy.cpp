@@ -291,6 +291,42 @@ at::Tensor parse_npy(const std::string& bytes, const std::string& where) {
   return npy_at(bytes.data(), bytes.size(), where, nullptr);
 }
 
+at::Tensor map_raw_array(const std::filesystem::path& path, const std::string& dtype,
+                         at::ScalarType* unsigned_type) {
+  static const std::map<std::string, const char*> kNumpyNames = {
+      {"uint16", "u2"}, {"uint32", "u4"}, {"int16", "i2"},   {"int32", "i4"},  {"int64", "i8"},
+      {"uint8", "u1"},  {"int8", "i1"},   {"float32", "f4"}, {"float64", "f8"}};
+  const std::string where = path.string();
+  auto name = kNumpyNames.find(dtype);
+  const Descr* d = nullptr;
+  if (name != kNumpyNames.end())
+    for (const Descr& k : kDescrs)
+      if (std::strcmp(k.text, name->second) == 0) d = &k;
+  if (!d)
+    throw Error(where + ": '" + dtype +
+                "' is not a type a headerless file is read as (uint16, uint32, int16, int32, "
+                "int64, uint8, int8, float32, float64)");
+  const std::shared_ptr<detail::MappedFile> file = detail::MappedFile::open(path, where);
+  Header h;
+  h.type = d->type, h.carrier = d->carrier;
+  const at::ScalarType stored = h.carrier == at::ScalarType::Undefined ? h.type : h.carrier;
+  const uint64_t item = c10::elementSize(stored);
+  if (file->size() == 0 || file->size() % item != 0)
+    throw Error(where + ": a headerless file of " + dtype + " values, and its " +
+                std::to_string(file->size()) + " bytes are " +
+                (file->size() == 0
+                     ? std::string("none")
+                     : "not a whole number of " + std::to_string(item) + "-byte values"));
+  h.shape = {static_cast<int64_t>(file->size() / item)};
+  h.data_bytes = file->size();
+  if (unsigned_type) {
+    *unsigned_type = at::ScalarType::Undefined;
+    if (h.carrier != at::ScalarType::Undefined)
+      *unsigned_type = h.type, h.type = h.carrier, h.carrier = at::ScalarType::Undefined;
+  }
+  return tensor_of(h, file->data(), where, file);
+}
+
 at::Tensor map_npy(const std::filesystem::path& path, at::ScalarType* unsigned_type) {
   const std::string where = path.string();
   const std::shared_ptr<detail::MappedFile> file = detail::MappedFile::open(path, where);

@@ -7,8 +7,9 @@
 - a module scripted in Python (torch.jit.script) trains with --model-script on samples written by
   torch.save (--dataset tensors:), its forward taking them by name, and torch.jit.load reads the
   trained module back with the weights the samples were made with;
-- arrays written by NumPy's np.save (Fortran-ordered floats, a uint16 token stream) and np.savez
-  (named input and target) train as --dataset tensors: files.
+- arrays written by NumPy's np.save (Fortran-ordered floats, a uint16 token stream), np.savez
+  (named input and target) and tofile (a headerless .bin of uint16 ids, as nanoGPT's train.bin)
+  train as --dataset tensors: files.
 Run by ctest (tests/CMakeLists.txt, where a python3 imports torch: Debian's python3-torch) and by
 bench/gpu_check.sh:  python3 tests/python/torch_interop.py TRAINER FOLDER
 """
@@ -214,6 +215,12 @@ out = run("--model", "transformer", "--model-width", "16", "--vocab-size", "6000
           "--max-train-steps", "2", "--output-dir", path("ids"))
 assert "(250 samples: ids [17] Int, windows of a stream of 4001 ids" in out, out
 print("np.save'd uint16 token stream: 250 windows of 17 ids")
+ids.tofile(path("train.bin"))  # nanoGPT's train.bin: the ids alone, no header
+out = run("--model", "transformer", "--model-width", "16", "--vocab-size", "60000", "--seq-len",
+          "16", "--dataset", "tensors:" + path("train.bin"), "--optimizer", "sgd",
+          "--max-train-steps", "2", "--output-dir", path("bin"))
+assert "(250 samples: train [17] Int, windows of a stream of 4001 ids" in out, out
+print("tofile'd uint16 token stream (.bin, --token-dtype uint16): 250 windows of 17 ids")
 x = np.random.default_rng(3).normal(size=(128, 4)).astype(np.float32)
 np.savez(path("xy.npz"), input=x, target=np.tanh(x.sum(1, keepdims=True)))
 out = run("--model", "mlp", "--model-width", "4", "--dataset", "tensors:" + path("xy.npz"),

@@ -228,6 +228,55 @@ TEST(TrainerTensorData, AnUnsignedTokenStreamStaysMappedAndIsWidenedPerBatch) {
   }
 }
 
+// A headerless .bin file (numpy's tofile, nanoGPT's train.bin) is a stream of token ids of
+// --token-dtype, named after the file; a folder of them is one stream per file; a zip archive
+// named .bin is still a torch.save'd file.
+TEST(TrainerTensorData, AHeaderlessBinFileIsAStreamOfTokenIdsOfTokenDtype) {
+  TempDir tmp;
+  std::string u16, i64;
+  for (int64_t i = 0; i < 1000; ++i) {
+    const auto a = static_cast<uint16_t>(i * 61 % 20000 + (i % 2) * 40000);
+    const int64_t b = i % 50;
+    u16.append(reinterpret_cast<const char*>(&a), 2);
+    i64.append(reinterpret_cast<const char*>(&b), 8);
+  }
+  TrainConfig c = mlp_config(tmp.write("train.bin", u16), 4);
+  c.model = "transformer", c.seq_len = 8, c.vocab_size = 60000;
+  std::unique_ptr<DataSource> data = make_data(c);
+  EXPECT_NE(data->describe().find("(124 samples: train [9] Int, windows of a stream of 1000 ids"),
+            std::string::npos)
+      << data->describe();
+  const Batch b = data->pass_batch(0);
+  for (int64_t j = 0; j < 8; ++j)
+    EXPECT_EQ(b.input[1][j].item<int64_t>(), (8 + j) * 61 % 20000 + ((8 + j) % 2) * 40000);
+
+  c.token_dtype = "int64", c.dataset_path = tmp.write("ids.bin", i64);
+  EXPECT_NE(make_data(c)->describe().find("ids [9] Long, windows of a stream of 1000 ids"),
+            std::string::npos);
+  c.token_dtype = "uint32", c.dataset_path = tmp.file("train.bin");  // two uint16 ids a value
+  EXPECT_NE(error_of([&] { make_data(c); }).find("outside --vocab-size 60000"), std::string::npos);
+  c.dataset_path = tmp.write("odd.bin", u16 + "x");
+  EXPECT_EQ(error_of([&] { make_data(c); }),
+            "--dataset tensors:" + c.dataset_path + ": " + c.dataset_path +
+                ": a headerless file of uint32 values, and its 2001 bytes are not a whole number "
+                "of 4-byte values; give a safetensors file, a .npy or .npz file (np.save, "
+                "np.savez), a torch.save'd {name: tensor} dict of samples, or a headerless .bin "
+                "file of token ids of --token-dtype");
+
+  std::filesystem::create_directories(tmp.file("shards"));
+  tmp.write("shards/a.bin", u16), tmp.write("shards/b.bin", u16);
+  c.token_dtype = "uint16", c.dataset_path = tmp.file("shards");
+  // A folder's .bin (or .npy) files: one array each, named after the folder.
+  EXPECT_NE(make_data(c)->describe().find("(2 files, 248 samples: shards [9] Int, windows of "
+                                          "streams of 2000 ids"),
+            std::string::npos)
+      << make_data(c)->describe();
+
+  save_model_weights(numbered(), tmp.file("torch.bin"));  // pytorch_model.bin's format
+  EXPECT_NE(make_data(mlp_config(tmp.file("torch.bin")))->describe().find("10 samples"),
+            std::string::npos);
+}
+
 // A file's values are read once per process (the evaluation stream does not check them again),
 // but a file written anew since, even of the same size, is checked again.
 TEST(TrainerTensorData, AFileChangedSinceItWasCheckedIsCheckedAgain) {
@@ -319,10 +368,11 @@ TEST(TrainerTensorData, AFolderOfFilesIsOneDataset) {
                 " holds 't': every file of a folder holds the same tensors");
   std::filesystem::create_directories(tmp.file("empty"));
   c.dataset_path = tmp.file("empty");
-  EXPECT_EQ(error_of([&] { make_data(c); }),
-            "--dataset tensors:" + tmp.file("empty") +
-                " is a folder with no data files (.safetensors, .npy, .npz, .pt or .pth): give a "
-                "file, or a folder of the files of one dataset");
+  EXPECT_EQ(
+      error_of([&] { make_data(c); }),
+      "--dataset tensors:" + tmp.file("empty") +
+          " is a folder with no data files (.safetensors, .npy, .npz, .pt, .pth or .bin): give a "
+          "file, or a folder of the files of one dataset");
 
   // Through the trainer (a folder passes the option checks a file does).
   const Result r = run_trainer({"--optimizer", "sgd", "--model-width", "2", "--dataset",
@@ -718,8 +768,8 @@ TEST(TrainerTensorData, UnfitFilesAreRefusedWithWhatTheModelReads) {
   EXPECT_EQ(refusal(c, {{"x", false}}),
             "--dataset tensors:" + c.dataset_path +
                 " is neither a safetensors, a NumPy nor a torch.save'd file: give a safetensors "
-                "file, a .npy or .npz file (np.save, np.savez) or a torch.save'd {name: tensor} "
-                "dict of samples");
+                "file, a .npy or .npz file (np.save, np.savez), a torch.save'd {name: tensor} "
+                "dict of samples, or a headerless .bin file of token ids of --token-dtype");
 
   // The trainer: exit 2, one line, nothing written.
   const Result r =

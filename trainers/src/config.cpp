@@ -207,6 +207,7 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
   c.model_heads = r.get<int64_t>("model-heads");
   c.seq_len = r.get<int64_t>("seq-len");
   c.vocab_size = r.get<int64_t>("vocab-size");
+  c.token_dtype = r.get<std::string>("token-dtype");
   c.image_size = r.get<int64_t>("image-size");
   c.model_script = r.maybe_path("model-script");
   c.gradient_checkpointing = r.get<bool>("gradient-checkpointing");

@@ -68,10 +68,11 @@ struct TrainConfig {
   std::optional<std::string> model_script;
   std::optional<std::string> init_weights;  ///< --init-weights: the parameters to start from
   bool init_weights_strict = true;
-  std::string dataset;              ///< "synthetic", "none", "text" or "tensors"
-  std::string dataset_path;         ///< for "text" and "tensors"
-  int64_t eval_every = 0;           ///< 0: none every N steps
-  int64_t eval_every_n_epochs = 0;  ///< 0: none at epoch ends
+  std::string dataset;                 ///< "synthetic", "none", "text" or "tensors"
+  std::string dataset_path;            ///< for "text" and "tensors"
+  std::string token_dtype = "uint16";  ///< a headerless .bin file's type (numpy's name)
+  int64_t eval_every = 0;              ///< 0: none every N steps
+  int64_t eval_every_n_epochs = 0;     ///< 0: none at epoch ends
   int64_t eval_batches = 4;
   std::string eval_dataset, eval_dataset_path;  ///< as dataset and dataset_path
   int64_t early_stop_patience = 0;              ///< 0: never stop early

@@ -256,9 +256,15 @@ std::vector<OptionSpec> build_specs() {
   section = "Data";
   add(opt("dataset", Kind::Text, std::string("synthetic"),
           "synthetic (from --seed), text:PATH (bytes as tokens, transformer/script), "
-          "tensors:PATH (samples of your own: a safetensors or torch.save'd file of tensors, "
-          "shuffled each epoch) or none",
+          "tensors:PATH (samples of your own: a safetensors, torch.save'd or NumPy file of "
+          "tensors, a headerless .bin of token ids, or a folder of them; shuffled each epoch) or "
+          "none",
           "SPEC"));
+  choices(add(opt("token-dtype", Kind::Choice, std::string("uint16"),
+                  "the type of the token ids in a headerless .bin file (--dataset tensors:, as "
+                  "numpy's tofile or np.memmap write it)",
+                  "uint16|uint32|int32|int64")),
+          {"uint16", "uint32", "int32", "int64"});
   at_least(add(opt("eval-every", Kind::Int, int64_t{0},
                    "every N steps and after the last: the mean loss on --eval-batches held-out "
                    "batches, without gradients; training is unchanged (0: never)",

@@ -40,8 +40,8 @@ std::string sample_text(const at::Tensor& t, at::ScalarType type = at::ScalarTyp
 
 // What a --dataset tensors: file may be, for the errors that name what to give.
 constexpr const char* kGive =
-    "give a safetensors file, a .npy or .npz file (np.save, np.savez) or a torch.save'd {name: "
-    "tensor} dict of samples";
+    "give a safetensors file, a .npy or .npz file (np.save, np.savez), a torch.save'd {name: "
+    "tensor} dict of samples, or a headerless .bin file of token ids of --token-dtype";
 
 // Every tensor in the file, by name; `mapped` tells whether they view the file mapped into memory
 // (a file larger than memory trains, and local ranks share its pages) or were read into memory (a
@@ -50,6 +50,7 @@ constexpr const char* kGive =
 // gathered). A .npy file's one array is named after the file (train.npy: 'train'), an .npz file's
 // arrays by their names in it.
 std::map<std::string, at::Tensor> read_tensors(const std::string& where, const std::string& path,
+                                               const TrainConfig& c, const std::string& array_name,
                                                bool& mapped, UnsignedTypes& unsigned_types) {
   const std::string head = read_file_head(path, 512);  // an .npz's first entry name too
   if (looks_like_checkpoint(head))
@@ -57,7 +58,7 @@ std::map<std::string, at::Tensor> read_tensors(const std::string& where, const s
   unsigned_types.clear();
   if (looks_like_npy(head)) {
     mapped = true;
-    const std::string name = std::filesystem::path(path).stem().string();
+    const std::string& name = array_name;
     at::ScalarType widens = at::ScalarType::Undefined;
     at::Tensor t = map_npy(path, &widens);
     if (widens != at::ScalarType::Undefined) unsigned_types[name] = widens;
@@ -66,6 +67,16 @@ std::map<std::string, at::Tensor> read_tensors(const std::string& where, const s
   if (looks_like_npz(head)) {
     mapped = true;
     return map_npz(path, &unsigned_types);
+  }
+  // A headerless .bin file of token ids (numpy's tofile, nanoGPT's train.bin), named after the
+  // file like a .npy array; a zip archive is a torch.save'd file (pytorch_model.bin).
+  if (std::filesystem::path(path).extension() == ".bin" && head.rfind("PK\x03\x04", 0) != 0) {
+    mapped = true;
+    const std::string& name = array_name;
+    at::ScalarType widens = at::ScalarType::Undefined;
+    at::Tensor t = map_raw_array(path, c.token_dtype, &widens);
+    if (widens != at::ScalarType::Undefined) unsigned_types[name] = widens;
+    return {{name, std::move(t)}};
   }
   // torch.save writes a zip archive.
   if (!looks_like_safetensors(head) && !is_safetensors_path(path) &&
@@ -81,9 +92,10 @@ std::map<std::string, at::Tensor> read_tensors(const std::string& where, const s
 
 // read_tensors, its errors all starting with `where`.
 std::map<std::string, at::Tensor> read_file(const std::string& where, const std::string& path,
+                                            const TrainConfig& c, const std::string& array_name,
                                             bool& mapped, UnsignedTypes& unsigned_types) {
   try {
-    return read_tensors(where, path, mapped, unsigned_types);
+    return read_tensors(where, path, c, array_name, mapped, unsigned_types);
   } catch (const Error& e) {
     const std::string what = e.what();
     if (what.rfind(where, 0) == 0) throw;
@@ -416,15 +428,16 @@ std::vector<std::string> data_files(const std::string& where, const std::string&
   for (const auto& entry : std::filesystem::directory_iterator(path, ec)) {
     const std::string ext = entry.path().extension().string();
     std::error_code unused;  // a dangling link is no data file, not a folder that cannot be listed
-    if (entry.is_regular_file(unused) &&
-        (ext == ".safetensors" || ext == ".npy" || ext == ".npz" || ext == ".pt" || ext == ".pth"))
+    if (entry.is_regular_file(unused) && (ext == ".safetensors" || ext == ".npy" || ext == ".npz" ||
+                                          ext == ".pt" || ext == ".pth" || ext == ".bin"))
       files.push_back(entry.path().string());
   }
   if (ec) throw Error(where + ": the folder cannot be listed (" + ec.message() + ")");
   if (files.empty())
-    throw Error(where +
-                " is a folder with no data files (.safetensors, .npy, .npz, .pt or .pth): give a "
-                "file, or a folder of the files of one dataset");
+    throw Error(
+        where +
+        " is a folder with no data files (.safetensors, .npy, .npz, .pt, .pth or .bin): give a "
+        "file, or a folder of the files of one dataset");
   std::sort(files.begin(), files.end());
   return files;
 }
@@ -444,10 +457,11 @@ struct Shard {
 };
 
 // The key under which a file whose every value this process has checked is remembered: its path,
-// device and inode, size, change and modification times, and the vocabulary ("" when it cannot be
-// stat'ed: such a file is checked every time). The training and the evaluation stream of one file
-// (or the runs of one config) then read a large file's values once, not once each; a file written
-// anew since (a new inode when replaced, new times when written in place) is checked again.
+// device and inode, size, change and modification times, the vocabulary and --token-dtype ("" when
+// it cannot be stat'ed: such a file is checked every time). The training and the evaluation stream
+// of one file (or the runs of one config) then read a large file's values once, not once each; a
+// file written anew since (a new inode when replaced, new times when written in place) is checked
+// again.
 std::string checked_key(const std::string& file, const TrainConfig& c) {
   struct stat st {};
   if (::stat(file.c_str(), &st) != 0) return "";
@@ -456,7 +470,7 @@ std::string checked_key(const std::string& file, const TrainConfig& c) {
                           int64_t(st.st_mtim.tv_sec), int64_t(st.st_mtim.tv_nsec),
                           int64_t(st.st_ctim.tv_sec), int64_t(st.st_ctim.tv_nsec), c.vocab_size})
     k += "|" + std::to_string(v);
-  return k;
+  return k + "|" + c.token_dtype;
 }
 
 // The checked_keys of the files that passed every check (the trainer makes its data on one
@@ -466,22 +480,39 @@ std::set<std::string>& checked_files() {
   return keys;
 }
 
+// The folder `path` is when it is one (its `files` are not just `path`), else "".
+std::string folder_of(const std::string& path, const std::vector<std::string>& files) {
+  return files.size() == 1 && files.front() == path ? "" : path;
+}
+
+// The name of the one array of a .npy or headerless .bin file: the file's, or for the files of a
+// folder the folder's, so that its files hold the same tensor (part-0.npy, part-1.npy, ...).
+std::string array_name(const std::string& file, const std::string& folder) {
+  if (folder.empty()) return std::filesystem::path(file).stem().string();
+  std::filesystem::path p = std::filesystem::path(folder).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();  // "shards/"
+  const std::string name = p.filename().string();
+  return name.empty() || name == "." || name == ".." ? "data" : name;
+}
+
 // A file's tensors, a token stream cut into its windows, and its samples counted: what both the
 // epochs' planning and the data stream read of a file.
-Shard open_shard(const std::string& label, const TrainConfig& c, const std::string& file) {
+Shard open_shard(const std::string& label, const TrainConfig& c, const std::string& file,
+                 const std::string& folder) {
   Shard s;
   s.where = label + " tensors:" + file;
-  s.all = read_file(s.where, file, s.mapped, s.unsigned_types);
+  s.all = read_file(s.where, file, c, array_name(file, folder), s.mapped, s.unsigned_types);
   s.ids = stream_to_windows(s.where, c, s.all);
   s.samples = count_samples(s.where, s.all);
   return s;
 }
 
 // open_shard, with the checks of every value (unless done already in this process).
-Shard read_shard(const std::string& label, const TrainConfig& c, const std::string& file) {
+Shard read_shard(const std::string& label, const TrainConfig& c, const std::string& file,
+                 const std::string& folder) {
   const std::string key = checked_key(file, c);
   const bool values = key.empty() || checked_files().count(key) == 0;
-  Shard s = open_shard(label, c, file);
+  Shard s = open_shard(label, c, file, folder);
   s.key = key, s.values = values;
   check_samples(s.where, s.all, values);
   return s;
@@ -534,7 +565,7 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& c, const std::st
   Layout layout = Layout::kScriptInput;
   int64_t size = 0, ids = 0;
   for (const std::string& file : files) {
-    Shard s = read_shard(label, c, file);
+    Shard s = read_shard(label, c, file, folder_of(path, files));
     if (c.model_script)
       layout = script_layout(s.where, s.all, forward);
     else if (c.model == "transformer")
@@ -621,8 +652,9 @@ void set_steps_from_epochs(TrainConfig& c) {
   if (c.max_train_epochs <= 0 && c.save_every_n_epochs <= 0 && c.eval_every_n_epochs <= 0) return;
   const std::string where = "--dataset tensors:" + c.dataset_path;
   int64_t samples = 0;
-  for (const std::string& file : data_files(where, c.dataset_path))
-    samples += open_shard("--dataset", c, file).samples;
+  const std::vector<std::string> files = data_files(where, c.dataset_path);
+  for (const std::string& file : files)
+    samples += open_shard("--dataset", c, file, folder_of(c.dataset_path, files)).samples;
   c.epoch_samples = samples - held_out(samples, c.eval_holdout);
   const int64_t per_step = c.train_batch_size * c.gradient_accumulation_steps;
   if (c.epoch_samples <= 0)

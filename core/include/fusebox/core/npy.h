@@ -27,6 +27,15 @@ at::Tensor map_npy(const std::filesystem::path& path, at::ScalarType* unsigned_t
 /// The same for a file's bytes in memory (copied into the tensor); `where` names them in errors.
 at::Tensor parse_npy(const std::string& bytes, const std::string& where);
 
+/// A headerless file of little-endian values of one type, as numpy's `array.tofile(path)` or an
+/// np.memmap writes it (nanoGPT's train.bin of uint16 token ids): a one-dimensional tensor viewing
+/// the mapped file. `dtype` is numpy's name of the type: "uint16", "uint32", "int16", "int32",
+/// "int64", "uint8", "int8", "float32", "float64"; uint16 and uint32 as map_npy reads them
+/// (`unsigned_type`). Throws Error naming the file when it is empty or its size is not a whole
+/// number of values, and for another `dtype`.
+at::Tensor map_raw_array(const std::filesystem::path& path, const std::string& dtype,
+                         at::ScalarType* unsigned_type = nullptr);
+
 /// True if `head`, a file's first bytes, starts with .npy's magic string ("\x93NUMPY").
 bool looks_like_npy(const std::string& head);
 
