@@ -216,17 +216,21 @@ at::Tensor tensor_of(const Header& h, const char* data, const std::string& where
   return widened ? detail::widen_unsigned(t, h.type) : t;
 }
 
+// With `unsigned_type`, a uint16/uint32 array is kept in its signed carrier (to be viewed like any
+// other array), and `*unsigned_type` says the type it widens into (Undefined for other arrays).
+void keep_carrier(Header& h, at::ScalarType* unsigned_type) {
+  if (!unsigned_type) return;
+  *unsigned_type = at::ScalarType::Undefined;
+  if (h.carrier != at::ScalarType::Undefined)
+    *unsigned_type = h.type, h.type = h.carrier, h.carrier = at::ScalarType::Undefined;
+}
+
 // The array of the .npy file in the `size` bytes at `bytes`; `keep`, when given, holds their
 // memory for a tensor that views them.
 at::Tensor npy_at(const char* bytes, uint64_t size, const std::string& where,
                   const std::shared_ptr<void>& keep, at::ScalarType* unsigned_type = nullptr) {
   Header h = decode(bytes, size, where);
-  if (unsigned_type) {
-    // uint16/uint32 kept as their signed carriers, to be viewed like any other array.
-    *unsigned_type = at::ScalarType::Undefined;
-    if (h.carrier != at::ScalarType::Undefined)
-      *unsigned_type = h.type, h.type = h.carrier, h.carrier = at::ScalarType::Undefined;
-  }
+  keep_carrier(h, unsigned_type);
   return tensor_of(h, bytes + h.data_offset, where, keep);
 }
 
@@ -311,19 +315,14 @@ at::Tensor map_raw_array(const std::filesystem::path& path, const std::string& d
   h.type = d->type, h.carrier = d->carrier;
   const at::ScalarType stored = h.carrier == at::ScalarType::Undefined ? h.type : h.carrier;
   const uint64_t item = c10::elementSize(stored);
-  if (file->size() == 0 || file->size() % item != 0)
+  if (file->size() == 0) throw Error(where + " is empty: it holds no " + dtype + " value");
+  if (file->size() % item != 0)
     throw Error(where + ": a headerless file of " + dtype + " values, and its " +
-                std::to_string(file->size()) + " bytes are " +
-                (file->size() == 0
-                     ? std::string("none")
-                     : "not a whole number of " + std::to_string(item) + "-byte values"));
+                std::to_string(file->size()) + " bytes are not a whole number of " +
+                std::to_string(item) + "-byte values");
   h.shape = {static_cast<int64_t>(file->size() / item)};
   h.data_bytes = file->size();
-  if (unsigned_type) {
-    *unsigned_type = at::ScalarType::Undefined;
-    if (h.carrier != at::ScalarType::Undefined)
-      *unsigned_type = h.type, h.type = h.carrier, h.carrier = at::ScalarType::Undefined;
-  }
+  keep_carrier(h, unsigned_type);
   return tensor_of(h, file->data(), where, file);
 }
 

@@ -262,3 +262,33 @@ TEST(Npz, AZip64ArchiveReadsAndEveryBadArchiveIsOneError) {
                             "its central directory lies past the end of the file (a truncated "
                             "file?)");
 }
+
+// A headerless file (numpy's tofile) is one array of the type named: viewed in the mapped file,
+// unsigned ones kept in their carriers when asked, a size that is no whole number of values and
+// an empty file refused.
+TEST(Npy, AHeaderlessFileIsOneArrayOfTheTypeNamed) {
+  ScratchDir dir("npy-raw");
+  const std::string path = dir.file("ids.bin");
+  const uint16_t ids[] = {0, 1, 32767, 32768, 65535, 50256};
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(ids), sizeof ids);
+  EXPECT_TRUE(at::equal(map_raw_array(path, "uint16"),
+                        at::tensor({0, 1, 32767, 32768, 65535, 50256}, at::kInt)));
+  at::ScalarType widens = at::ScalarType::Undefined;
+  const at::Tensor kept = map_raw_array(path, "uint16", &widens);
+  EXPECT_EQ(kept.scalar_type(), at::kShort);
+  EXPECT_EQ(widens, at::kInt);
+  EXPECT_EQ(kept[3].item<int64_t>(), -32768);  // 32768 in its carrier
+  EXPECT_TRUE(at::equal(map_raw_array(path, "float32"),
+                        at::from_blob(const_cast<uint16_t*>(ids), {3}, at::kFloat)));
+  EXPECT_EQ(error_of([&] { map_raw_array(path, "int64"); }),
+            path +
+                ": a headerless file of int64 values, and its 12 bytes are not a whole number "
+                "of 8-byte values");
+  EXPECT_EQ(error_of([&] { map_raw_array(path, "uint64"); }),
+            path +
+                ": 'uint64' is not a type a headerless file is read as (uint16, uint32, int16, "
+                "int32, int64, uint8, int8, float32, float64)");
+  std::ofstream(dir.file("empty.bin"));
+  EXPECT_EQ(error_of([&] { map_raw_array(dir.file("empty.bin"), "uint16"); }),
+            dir.file("empty.bin") + " is empty: it holds no uint16 value");
+}

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -30,9 +31,8 @@ enum class Layout {
   kImages,           // denoiser: clean images; noise and timesteps drawn
 };
 
-// "[8] Float" for a tensor of [N, 8] floats: one sample's shape, and the type.
-// "[3] Float": a sample's shape and the type the model gets (`type`, when given: that of an
-// unsigned tensor kept in its carrier).
+// "[8] Float" for a tensor of [N, 8] floats: one sample's shape, and the type the model gets
+// (`type`, when given: that of an unsigned tensor kept in its carrier).
 std::string sample_text(const at::Tensor& t, at::ScalarType type = at::ScalarType::Undefined) {
   return c10::str(t.sizes().slice(1)) + " " +
          std::string(c10::toString(type == at::ScalarType::Undefined ? t.scalar_type() : type));
@@ -47,8 +47,8 @@ constexpr const char* kGive =
 // (a file larger than memory trains, and local ranks share its pages) or were read into memory (a
 // torch.save'd file whose records cannot be viewed). Unsigned uint16/uint32 tensors stay in their
 // signed carriers, mapped, and `unsigned_types` names them (batches are widened as they are
-// gathered). A .npy file's one array is named after the file (train.npy: 'train'), an .npz file's
-// arrays by their names in it.
+// gathered). The one array of a .npy or headerless .bin file is named `array_name`, an .npz
+// file's arrays by their names in it.
 std::map<std::string, at::Tensor> read_tensors(const std::string& where, const std::string& path,
                                                const TrainConfig& c, const std::string& array_name,
                                                bool& mapped, UnsignedTypes& unsigned_types) {
@@ -56,28 +56,23 @@ std::map<std::string, at::Tensor> read_tensors(const std::string& where, const s
   if (looks_like_checkpoint(head))
     throw Error(where + " is a fusebox checkpoint, not data: " + kGive);
   unsigned_types.clear();
-  if (looks_like_npy(head)) {
+  // A file of one array, mapped by `map` (which says the type an unsigned one widens into).
+  auto one_array = [&](const std::function<at::Tensor(at::ScalarType*)>& map) {
     mapped = true;
-    const std::string& name = array_name;
     at::ScalarType widens = at::ScalarType::Undefined;
-    at::Tensor t = map_npy(path, &widens);
-    if (widens != at::ScalarType::Undefined) unsigned_types[name] = widens;
-    return {{name, std::move(t)}};
-  }
+    at::Tensor t = map(&widens);
+    if (widens != at::ScalarType::Undefined) unsigned_types[array_name] = widens;
+    return std::map<std::string, at::Tensor>{{array_name, std::move(t)}};
+  };
+  if (looks_like_npy(head)) return one_array([&](at::ScalarType* w) { return map_npy(path, w); });
   if (looks_like_npz(head)) {
     mapped = true;
     return map_npz(path, &unsigned_types);
   }
-  // A headerless .bin file of token ids (numpy's tofile, nanoGPT's train.bin), named after the
-  // file like a .npy array; a zip archive is a torch.save'd file (pytorch_model.bin).
-  if (std::filesystem::path(path).extension() == ".bin" && head.rfind("PK\x03\x04", 0) != 0) {
-    mapped = true;
-    const std::string& name = array_name;
-    at::ScalarType widens = at::ScalarType::Undefined;
-    at::Tensor t = map_raw_array(path, c.token_dtype, &widens);
-    if (widens != at::ScalarType::Undefined) unsigned_types[name] = widens;
-    return {{name, std::move(t)}};
-  }
+  // A headerless .bin file of token ids (numpy's tofile, nanoGPT's train.bin); a zip archive is a
+  // torch.save'd file (pytorch_model.bin).
+  if (std::filesystem::path(path).extension() == ".bin" && head.rfind("PK\x03\x04", 0) != 0)
+    return one_array([&](at::ScalarType* w) { return map_raw_array(path, c.token_dtype, w); });
   // torch.save writes a zip archive.
   if (!looks_like_safetensors(head) && !is_safetensors_path(path) &&
       head.rfind("PK\x03\x04", 0) != 0)
