@@ -708,8 +708,9 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
           << (eval_data ? "; eval: " +
                               (c.eval_batches == 0
                                    ? "every sample (" + std::to_string(eval_data->pass_batches()) +
-                                         " batches)"
-                                   : std::to_string(c.eval_batches) + " batches") +
+                                         (eval_data->pass_batches() == 1 ? " batch)" : " batches)")
+                                   : std::to_string(c.eval_batches) +
+                                         (c.eval_batches == 1 ? " batch" : " batches")) +
                               eval_schedule(c) +
                               (c.eval_dataset == "text" || c.eval_dataset == "tensors"
                                    ? " from " + eval_data->describe()
