@@ -693,6 +693,43 @@ def forward(self, batch):
   EXPECT_EQ(losses(tmp.file("named/metrics.jsonl")), losses(tmp.file("pickled/metrics.jsonl")));
 }
 
+// --check-data makes the data as a run would, every value checked, prints the data line and
+// trains and writes nothing; a bad value is the run's own error line, exit 2.
+TEST(TrainerTensorData, CheckDataChecksEveryValueAndTrainsNothing) {
+  TempDir tmp;
+  save_safetensors(numbered(), tmp.file("d.safetensors"));
+  const std::vector<std::string> args = {
+      "--optimizer",        "sgd",
+      "--model-width",      "2",
+      "--dataset",          "tensors:" + tmp.file("d.safetensors"),
+      "--eval-holdout",     "0.2",
+      "--eval-every",       "5",
+      "--eval-batches",     "0",
+      "--max-train-epochs", "3",
+      "--output-dir",       tmp.file("out"),
+      "--check-data"};
+  Result r = run_trainer(args);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, "data: tensors " + tmp.file("d.safetensors") +
+                       " (the first 8 of 10 samples, 2 held out: input [2] Float, target [] "
+                       "Float; shuffled each epoch); 3 epochs of 8 samples: 3 steps; eval: every "
+                       "sample (1 batch) every 5 steps from tensors " +
+                       tmp.file("d.safetensors") +
+                       " (the last 2 of 10 samples, held out for evaluation: input [2] Float, "
+                       "target [] Float; shuffled each epoch)\n");
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
+
+  Named bad = numbered();
+  bad[0].second[9][1] = NAN;  // a held-out sample: the training stream checks both parts
+  save_safetensors(bad, tmp.file("d.safetensors"));
+  r = run_trainer(args);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "trainer: error: --dataset tensors:" + tmp.file("d.safetensors") +
+                       ": 'input' holds values that are not finite (NaN or Inf): a NaN sample "
+                       "makes the loss NaN; clean or drop those samples\n");
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
+}
+
 // Files that do not fit the model, or are not data, are refused in one line naming the option
 // and the file, saying what the model reads.
 TEST(TrainerTensorData, UnfitFilesAreRefusedWithWhatTheModelReads) {

@@ -275,6 +275,11 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     return kExitOk;
   }
 
+  if (cl.check_data) {
+    for (const PlannedRun& p : plan) out << check_data_text(p.config) << std::flush;
+    return kExitOk;
+  }
+
   if (cl.list_params) {
     for (const PlannedRun& p : plan) {
       if (plan.size() > 1) out << "[" << p.config.name << "]\n";

@@ -57,6 +57,9 @@ std::vector<OptionSpec> build_specs() {
   add(opt("list-params", Kind::Action, {},
           "print the model's parameters with the lr and weight decay each trains with, and "
           "exit"));
+  add(opt("check-data", Kind::Action, {},
+          "make the training and evaluation data as a run would, checking every value, print "
+          "what the model gets, and exit (nothing is trained or written)"));
   add(opt("help", Kind::Action, {}, "print this help and exit"));
   add(opt("version", Kind::Action, {}, "print the version and exit"));
 
@@ -570,6 +573,7 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
         if (name == "list-plugins") cl.list_plugins = true;
         if (name == "print-config") cl.print_config = true;
         if (name == "list-params") cl.list_params = true;
+        if (name == "check-data") cl.check_data = true;
         break;
       case Kind::ActionArg: {
         const std::string v = o.value.empty() ? "" : o.value.front();

@@ -96,7 +96,7 @@ std::string format_real(double v);
 struct CommandLine {
   Layer layer;  ///< option values
   bool help = false, version = false, list_plugins = false, print_config = false;
-  bool list_params = false;
+  bool list_params = false, check_data = false;
   std::optional<std::string> config;  ///< --config FILE
   std::optional<std::string> describe_plugin;
   std::vector<std::string> runs;  ///< --run NAME (repeatable): only these runs

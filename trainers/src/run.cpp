@@ -402,6 +402,33 @@ HyperParams plugin_hyperparams(const TrainConfig& c, const LoadedPlugin& plugin)
   return hp;
 }
 
+std::string data_text(const TrainConfig& c, const DataSource& data, const EvalData* eval_data) {
+  std::string text = data.describe();
+  if (c.max_train_epochs > 0)
+    text += "; " + std::to_string(c.max_train_epochs) + " epoch" +
+            (c.max_train_epochs == 1 ? "" : "s") + " of " + std::to_string(c.epoch_samples) +
+            " samples: " + std::to_string(c.max_train_steps) + " steps";
+  if (!eval_data) return text;
+  const int64_t batches = c.eval_batches == 0 ? eval_data->pass_batches() : c.eval_batches;
+  const std::string counted = std::to_string(batches) + (batches == 1 ? " batch" : " batches");
+  return text + "; eval: " + (c.eval_batches == 0 ? "every sample (" + counted + ")" : counted) +
+         eval_schedule(c) +
+         (c.eval_dataset == "text" || c.eval_dataset == "tensors" ? " from " + eval_data->describe()
+                                                                  : "");
+}
+
+std::string check_data_text(const TrainConfig& c) {
+  std::vector<ForwardArgument> forward;  // what a script's forward takes; built-in models: none
+  if (c.model_script)
+    forward = load_script_model(*c.model_script, c10::Device(c10::kCPU), param_dtype(c))
+                  ->forward_arguments();
+  const std::unique_ptr<DataSource> data = make_data(c, forward);
+  std::unique_ptr<EvalData> eval_data;
+  if (c.evaluates()) eval_data = std::make_unique<EvalData>(c, forward);
+  return (c.name.empty() ? "" : "[" + c.name + "] ") +
+         "data: " + data_text(c, *data, eval_data.get()) + "\n";
+}
+
 std::string list_params_text(const TrainConfig& c, const LoadedPlugin& plugin,
                              const HyperParams& hp) {
   check_model_fits(c, host::usable_memory(), 1);
@@ -699,23 +726,7 @@ RunSummary run_training(const TrainConfig& c, const LoadedPlugin& plugin, const 
   summary.parameters = count_elements(model->parameters());
   con.out << (c.name.empty() ? "" : "[" + c.name + "] ") << "model: " << model->describe()
           << (c.gradient_checkpointing ? ", blocks recomputed in backward" : "")
-          << "; data: " << data->describe()
-          << (c.max_train_epochs > 0 ? "; " + std::to_string(c.max_train_epochs) + " epoch" +
-                                           (c.max_train_epochs == 1 ? "" : "s") + " of " +
-                                           std::to_string(c.epoch_samples) + " samples: " +
-                                           std::to_string(c.max_train_steps) + " steps"
-                                     : std::string())
-          << (eval_data ? "; eval: " +
-                              (c.eval_batches == 0
-                                   ? "every sample (" + std::to_string(eval_data->pass_batches()) +
-                                         (eval_data->pass_batches() == 1 ? " batch)" : " batches)")
-                                   : std::to_string(c.eval_batches) +
-                                         (c.eval_batches == 1 ? " batch" : " batches")) +
-                              eval_schedule(c) +
-                              (c.eval_dataset == "text" || c.eval_dataset == "tensors"
-                                   ? " from " + eval_data->describe()
-                                   : "")
-                        : std::string())
+          << "; data: " << data_text(c, *data, eval_data.get())
           << "; optimizer: " << plugin.info().name << " (" << summary.mode << ", "
           << mode->optimizers().size() << " optimizer"
           << (mode->optimizers().size() == 1 ? "" : "s") << "); threads: " << used.intra_op

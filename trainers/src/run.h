@@ -12,6 +12,9 @@
 
 namespace fusebox::trainer {
 
+class DataSource;
+class EvalData;
+
 /// Where a run prints.
 struct Console {
   std::ostream& out;  ///< progress, summaries, tables
@@ -54,6 +57,16 @@ void check_runtime(const TrainConfig& config, int world, int local_rank, int loc
 /// trains with under --lr-scale and --no-weight-decay. Builds the model on the CPU.
 std::string list_params_text(const TrainConfig& config, const LoadedPlugin& plugin,
                              const HyperParams& hyperparams);
+
+/// The data part of a run's first line: what the stream holds, the epochs' steps, and the
+/// evaluation's batches, schedule and data (`eval_data` null: the run does not evaluate).
+std::string data_text(const TrainConfig& config, const DataSource& data, const EvalData* eval_data);
+
+/// --check-data: makes the run's training and evaluation data as training would, every value
+/// checked (a file's NaN, a token id outside the vocabulary, a folder's mismatched files: the
+/// error a run would stop with), and returns the data line. Builds a script model on the CPU for
+/// its forward's arguments; a built-in model is not built.
+std::string check_data_text(const TrainConfig& config);
 
 /// Trains one run. Set-up problems throw Error; failures during training throw TrainingFailed.
 RunSummary run_training(const TrainConfig& config, const LoadedPlugin& plugin,
