@@ -1,15 +1,18 @@
 // SIGKILL while saving: a training process that checkpoints every step is killed at 20 varied
-// moments; each time the newest checkpoint loads and the run resumes from it.
+// moments; each time the newest checkpoint loads and the run resumes from it. And SIGBUS: a
+// mapped data file shortened under a training process.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <thread>
 
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/safetensors.h"
 #include "trainer_test_util.h"
 
 extern char** environ;
@@ -94,4 +97,33 @@ TEST(TrainerKill, KilledWhileSavingTheLatestCheckpointStillLoadsAndResumes) {
   for (const auto& e : fs::directory_iterator(tmp.str()))
     temporaries += e.path().filename().string().find(".tmp.") != std::string::npos;
   EXPECT_EQ(temporaries, 0);
+}
+
+// A data file shortened while a run reads it (mapped, its lost pages raise SIGBUS) ends the run
+// with one line and exit 3, not "Bus error" and a core dump.
+TEST(TrainerKill, ADataFileShortenedWhileTrainingEndsTheRunWithOneLine) {
+  TempDir tmp;
+  const std::string data = tmp.file("d.safetensors");
+  const int64_t n = 200000;  // 6.4 MB of rows: every batch touches pages all over the file
+  fusebox::save_safetensors({{"input", at::randn({n, 8})}, {"target", at::randn({n, 1})}}, data);
+  const std::string log = tmp.file("log");
+  pid_t pid = spawn({std::string(FUSEBOX_BIN_DIR) + "/trainer", "--model", "mlp", "--model-width",
+                     "8", "--threads", "1", "--optimizer", "sgd", "--dataset", "tensors:" + data,
+                     "--max-train-steps", "100000000", "--log-every", "1", "--output-dir", ""},
+                    log);
+  ASSERT_GT(pid, 0);
+  for (int i = 0; i < 600 && read_text(log).find("step 2") == std::string::npos; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_EQ(::truncate(data.c_str(), 4096), 0);  // the header stays, the rows go
+  int status = 0;
+  for (int i = 0; i < 600 && ::waitpid(pid, &status, WNOHANG) == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  if (::waitpid(pid, &status, WNOHANG) == 0) ::kill(pid, SIGKILL), ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status)) << "status " << status << "; log: " << read_text(log);
+  EXPECT_EQ(WEXITSTATUS(status), 3) << read_text(log);
+  const std::string out = read_text(log);
+  EXPECT_NE(out.find("trainer: error: a file mapped into memory (the --dataset, --eval-dataset or "
+                     "--init-weights file) was shortened while this process read it (SIGBUS)"),
+            std::string::npos)
+      << out;
 }

@@ -9,6 +9,7 @@
 #include "app.h"
 #include "interrupt.h"
 #include "launch.h"
+#include "read_crash_guard.h"
 
 int main(int argc, char** argv) {
   // Keep freed tensor memory in the process: otherwise glibc unmaps and re-maps large blocks
@@ -17,6 +18,7 @@ int main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   fusebox::trainer::allow_self_launch();
   fusebox::trainer::install_interrupt_handlers();
+  fusebox::trainer::install_mapped_file_fault_handler();
   std::vector<std::string> args(argv + 1, argv + argc);
   return fusebox::trainer::trainer_main(args, std::cout, std::cerr, ::isatty(STDOUT_FILENO) != 0);
 }
