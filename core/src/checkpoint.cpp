@@ -17,10 +17,13 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <regex>
 #include <set>
+#include <string_view>
 
+#include "mapped_file.h"
 #include "torch_save.h"
 
 namespace fusebox {
@@ -37,6 +40,13 @@ constexpr size_t kHeaderSize = sizeof(kMagic) + 4 + 8 + 8;
 // it stays: changing it would make every existing checkpoint read as corrupt.
 constexpr uint64_t kChecksumBasis = 1469598103934665603ULL;
 
+// Writes `path` atomically, its bytes written to the open temporary by `write`, which returns
+// nullptr or the call that failed ("write") with errno set; what `write` throws removes the
+// temporary and passes on.
+void write_file_atomically_with(const fs::path& path, const std::function<const char*(int)>& write);
+// The checkpoint in `bytes`, checked; `where` names it in errors.
+Checkpoint parse_payload(std::string_view bytes, const std::string& where);
+
 template <class T>
 void put(std::string& out, T v) {
   char buf[sizeof(T)];
@@ -45,7 +55,7 @@ void put(std::string& out, T v) {
 }
 
 template <class T>
-T get(const std::string& in, size_t offset) {
+T get(std::string_view in, size_t offset) {
   T v;
   std::memcpy(&v, in.data() + offset, sizeof(T));
   return v;
@@ -65,7 +75,7 @@ enum class Section : uint8_t {
 // A bounds-checked cursor over an untrusted payload: every length is checked against what is
 // left before it is used, so a crafted file gives an Error, never an out-of-bounds read.
 struct Reader {
-  const std::string& data;
+  std::string_view data;
   size_t pos;
   const std::string& where;
 
@@ -85,7 +95,7 @@ struct Reader {
   }
   std::string bytes(uint64_t n) {
     need(n);
-    std::string s = data.substr(pos, n);
+    std::string s(data.substr(pos, n));
     pos += n;
     return s;
   }
@@ -147,18 +157,24 @@ std::string read_all(const fs::path& path, const std::string& what) {
 
 namespace {
 
-// Writes all of `bytes` to `fd` and fsyncs it. Returns nullptr, or the call that failed
-// ("write", "fsync") with errno set by it.
-const char* write_and_sync(int fd, const std::string& bytes) {
+// Writes the `n` bytes at `p` to `fd`. Returns nullptr, or "write" with errno set.
+const char* write_all(int fd, const char* p, size_t n) {
   size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
+  while (done < n) {
+    const ssize_t k = ::write(fd, p + done, n - done);
+    if (k < 0) {
       if (errno == EINTR) continue;
       return "write";
     }
-    done += static_cast<size_t>(n);
+    done += static_cast<size_t>(k);
   }
+  return nullptr;
+}
+
+// Writes all of `bytes` to `fd` and fsyncs it. Returns nullptr, or the call that failed
+// ("write", "fsync") with errno set by it.
+const char* write_and_sync(int fd, const std::string& bytes) {
+  if (const char* failed = write_all(fd, bytes.data(), bytes.size())) return failed;
   return ::fsync(fd) == 0 ? nullptr : "fsync";
 }
 
@@ -189,6 +205,14 @@ void append_to_file(const fs::path& path, const std::string& bytes) {
 }
 
 void write_file_atomically(const fs::path& path, const std::string& bytes) {
+  write_file_atomically_with(path,
+                             [&](int fd) { return write_all(fd, bytes.data(), bytes.size()); });
+}
+
+namespace {
+
+void write_file_atomically_with(const fs::path& path,
+                                const std::function<const char*(int)>& write) {
   const fs::path tmp = temporary_path(path), dir = tmp.parent_path();
   auto fail = [&](const std::string& what) {
     const std::string reason = std::strerror(errno);
@@ -205,7 +229,16 @@ void write_file_atomically(const fs::path& path, const std::string& bytes) {
   // Held until close (or this process's death): remove_stale_temporaries leaves a locked
   // temporary alone, also one whose writer's pid it cannot see (another PID namespace).
   ::flock(fd, LOCK_EX | LOCK_NB);
-  if (const char* failed = write_and_sync(fd, bytes)) {
+  const char* failed = nullptr;
+  try {
+    failed = write(fd);
+  } catch (...) {  // what made the bytes failed: no temporary is left behind
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (!failed && ::fsync(fd) != 0) failed = "fsync";
+  if (failed) {
     const int error = errno;  // close may change it
     ::close(fd);
     errno = error;
@@ -221,29 +254,67 @@ void write_file_atomically(const fs::path& path, const std::string& bytes) {
   }
 }
 
-void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
-  write_file_atomically(path, encode_checkpoint(ckpt));
-}
+// Where a checkpoint's payload goes as it is encoded: counted and summed (FNV-1a) as it passes,
+// small pieces gathered into a buffer, a tensor's bytes handed on as they are. Without a sink it
+// only counts (to size a buffer before anything is copied).
+class PayloadWriter {
+ public:
+  using Sink = std::function<void(const char*, size_t)>;
+  explicit PayloadWriter(Sink sink = nullptr) : sink_(std::move(sink)) {}
+  bool counting() const { return !sink_; }
+  template <class T>
+  void put(T v) {
+    char buf[sizeof(T)];
+    std::memcpy(buf, &v, sizeof(T));  // little-endian hosts only (x86-64, aarch64)
+    append(buf, sizeof(T));
+  }
+  void append(const void* p, size_t n) {
+    size_ += n;
+    if (counting() || n == 0) return;
+    hash_ = fnv1a(p, n, hash_);
+    if (buffer_.size() + n > kBuffer) flush();
+    if (n >= kBuffer)
+      sink_(static_cast<const char*>(p), n);
+    else
+      buffer_.append(static_cast<const char*>(p), n);
+  }
+  void skip(uint64_t n) { size_ += n; }  // counting: bytes not looked at
+  void flush() {
+    if (!buffer_.empty()) sink_(buffer_.data(), buffer_.size());
+    buffer_.clear();
+  }
+  uint64_t size() const { return size_; }
+  uint64_t hash() const { return hash_; }
 
-std::string encode_checkpoint(const Checkpoint& ckpt) {
-  std::string payload;
+ private:
+  static constexpr size_t kBuffer = size_t{1} << 20;
+  Sink sink_;
+  std::string buffer_;
+  uint64_t size_ = 0, hash_ = kChecksumBasis;
+};
+
+// The payload of `ckpt` into `out`. Each tensor is brought to the CPU (and made contiguous) alone,
+// as it is written, so that writing holds no copy of more than one tensor.
+void encode_payload(const Checkpoint& ckpt, PayloadWriter& out) {
   const uint64_t entries = ckpt.model.size() + ckpt.buffers.size() + ckpt.optimizer.size() +
                            ckpt.rng.size() + ckpt.meta.size() + ckpt.counters.size() +
                            ckpt.ema.size();
-  put<uint64_t>(payload, entries);
+  out.put<uint64_t>(entries);
   auto key = [&](Section s, const std::string& k) {
-    put<uint8_t>(payload, static_cast<uint8_t>(s));
-    put<uint32_t>(payload, static_cast<uint32_t>(k.size()));
-    payload += k;
+    out.put<uint8_t>(static_cast<uint8_t>(s));
+    out.put<uint32_t>(static_cast<uint32_t>(k.size()));
+    out.append(k.data(), k.size());
   };
   auto tensor = [&](const at::Tensor& t0) {
+    out.put<uint8_t>(static_cast<uint8_t>(t0.scalar_type()));
+    out.put<uint8_t>(static_cast<uint8_t>(t0.dim()));
+    for (int64_t d : t0.sizes()) out.put<int64_t>(d);
+    const uint64_t nbytes = static_cast<uint64_t>(t0.numel()) * t0.element_size();
+    out.put<uint64_t>(nbytes);
+    if (nbytes == 0) return;
+    if (out.counting()) return out.skip(nbytes);
     const at::Tensor t = t0.detach().to(at::kCPU).contiguous();
-    put<uint8_t>(payload, static_cast<uint8_t>(t.scalar_type()));
-    put<uint8_t>(payload, static_cast<uint8_t>(t.dim()));
-    for (int64_t d : t.sizes()) put<int64_t>(payload, d);
-    const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
-    put<uint64_t>(payload, nbytes);
-    if (nbytes > 0) payload.append(static_cast<const char*>(t.data_ptr()), nbytes);
+    out.append(t.data_ptr(), nbytes);
   };
   for (const auto& [k, v] : ckpt.model) key(Section::Model, k), tensor(v);
   for (const auto& [k, v] : ckpt.buffers) key(Section::Buffer, k), tensor(v);
@@ -252,24 +323,71 @@ std::string encode_checkpoint(const Checkpoint& ckpt) {
   for (const auto& [k, v] : ckpt.rng) key(Section::Rng, k), tensor(v);
   for (const auto& [k, v] : ckpt.meta) {
     key(Section::Meta, k);
-    put<uint32_t>(payload, static_cast<uint32_t>(v.size()));
-    payload += v;
+    out.put<uint32_t>(static_cast<uint32_t>(v.size()));
+    out.append(v.data(), v.size());
   }
-  for (const auto& [k, v] : ckpt.counters) key(Section::Counter, k), put<int64_t>(payload, v);
+  for (const auto& [k, v] : ckpt.counters) key(Section::Counter, k), out.put<int64_t>(v);
+  if (!out.counting()) out.flush();
+}
 
+// The header of a payload of `size` bytes whose checksum is `hash`.
+std::string header_of(uint64_t size, uint64_t hash) {
   std::string bytes(kMagic, sizeof(kMagic));
   put<uint32_t>(bytes, kFormatVersion);
-  put<uint64_t>(bytes, payload.size());
-  put<uint64_t>(bytes, fnv1a(payload.data(), payload.size(), kChecksumBasis));
-  bytes += payload;
+  put<uint64_t>(bytes, size);
+  put<uint64_t>(bytes, hash);
+  return bytes;
+}
+
+}  // namespace
+
+void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
+  // Streamed into the file: a header to be filled in, then the payload as it is encoded, then the
+  // header with its size and checksum. Memory: a buffer and one tensor's CPU copy at a time, not
+  // a copy of the whole checkpoint.
+  write_file_atomically_with(path, [&](int fd) -> const char* {
+    const char* failed = write_all(fd, std::string(kHeaderSize, '\0').data(), kHeaderSize);
+    PayloadWriter out([&](const char* p, size_t n) {
+      if (!failed) failed = write_all(fd, p, n);
+    });
+    if (!failed) encode_payload(ckpt, out);
+    if (failed) return failed;
+    const std::string header = header_of(out.size(), out.hash());
+    return ::pwrite(fd, header.data(), header.size(), 0) == static_cast<ssize_t>(header.size())
+               ? nullptr
+               : "write";
+  });
+}
+
+std::string encode_checkpoint(const Checkpoint& ckpt) {
+  PayloadWriter count;
+  encode_payload(ckpt, count);
+  std::string bytes(kHeaderSize, '\0');
+  bytes.reserve(kHeaderSize + count.size());  // one buffer of the checkpoint's size
+  PayloadWriter out([&](const char* p, size_t n) { bytes.append(p, n); });
+  encode_payload(ckpt, out);
+  bytes.replace(0, kHeaderSize, header_of(out.size(), out.hash()));
   return bytes;
 }
 
 Checkpoint load_checkpoint(const fs::path& path) {
-  return parse_checkpoint(read_all(path, "checkpoint"), "checkpoint " + path.string());
+  // Mapped, not read: its tensors are copied out of the file's pages, which the system may drop
+  // again, so loading holds the checkpoint's tensors and no second copy of the file.
+  const std::string what = "checkpoint " + path.string();
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw Error(what + does_not_exist(ec));
+  if (fs::is_directory(path, ec)) throw Error(what + " is a directory");
+  const std::shared_ptr<detail::MappedFile> file = detail::MappedFile::open(path, what);
+  return parse_payload(std::string_view(file->data(), file->size()), what);
 }
 
 Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where) {
+  return parse_payload(bytes, where);
+}
+
+namespace {
+
+Checkpoint parse_payload(std::string_view bytes, const std::string& where) {
   if (bytes.size() < kHeaderSize || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
     throw Error(where + " is not a fusebox checkpoint (bad header); pass a checkpoint-*.fbx file");
   const uint32_t version = get<uint32_t>(bytes, sizeof(kMagic));
@@ -320,10 +438,18 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where) 
   return out;
 }
 
+}  // namespace
+
 StateDict merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers) {
+  StateDict out = optimizer_state_now(optimizers);
+  for (auto& [k, v] : out) v = v.detach().clone();
+  return out;
+}
+
+StateDict optimizer_state_now(const std::vector<std::shared_ptr<Optimizer>>& optimizers) {
   StateDict out;
   for (const auto& opt : optimizers)
-    for (const auto& [k, v] : opt->state_dict()) out[k] = v.detach().clone();
+    for (const auto& [k, v] : opt->state_dict()) out[k] = v;
   return out;
 }
 

@@ -319,7 +319,8 @@ void save_checkpoint_if_due(const CheckpointContext& ctx, int64_t step, bool fin
   const bool sharded = ctx.sharded && ctx.comm;
   if (!ctx.leader && !sharded) return;  // rank 0 holds every parameter's state and writes
   Checkpoint ckpt;
-  ckpt.optimizer = merged_optimizer_state(ctx.mode.optimizers());
+  // The optimizers' own tensors, not copies: the checkpoint is written before the next step.
+  ckpt.optimizer = optimizer_state_now(ctx.mode.optimizers());
   if (sharded) {
     // Each rank holds the state of its parameters only: rank 0 gathers every share (the others
     // keep theirs alone, so sharding saves their memory also while a checkpoint is written).

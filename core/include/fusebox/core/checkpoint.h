@@ -36,17 +36,24 @@ struct Checkpoint {
 };
 
 /// Writes `ckpt` to `path` atomically (temp file + fsync + rename). Throws Error naming the path.
+/// Streamed: besides a 1 MiB buffer it holds one tensor's CPU copy at a time (none for CPU
+/// tensors), never the encoded checkpoint.
 void save_checkpoint(const Checkpoint& ckpt, const std::filesystem::path& path);
 
 /// The bytes save_checkpoint() writes (e.g. to send a checkpoint's parts between ranks).
 std::string encode_checkpoint(const Checkpoint& ckpt);
-/// Reads a checkpoint; a missing, truncated, corrupt or foreign file throws one-line Error.
+/// Reads a checkpoint; a missing, truncated, corrupt or foreign file throws one-line Error. The
+/// file is mapped while its tensors are copied out, so no second copy of it is held in memory.
 Checkpoint load_checkpoint(const std::filesystem::path& path);
 /// Decodes the bytes of a checkpoint file; `where` names it in errors (load_checkpoint's core).
 Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where);
 
 /// The state of all `optimizers`, merged into one name-keyed dict (clones, safe to keep).
 StateDict merged_optimizer_state(const std::vector<std::shared_ptr<Optimizer>>& optimizers);
+/// The same without copies: what the optimizers' state_dict() give, mostly their own tensors,
+/// which their next step changes. For a checkpoint written at once: cloning would hold a second
+/// copy of the optimizer state while it is written.
+StateDict optimizer_state_now(const std::vector<std::shared_ptr<Optimizer>>& optimizers);
 
 /// The part of a merged dict that ZeRO-1 rank `rank` of `world` keeps: optimizer-wide entries and
 /// the state of the parameters parameter_owners() gives it (`groups` as given to the step mode).
