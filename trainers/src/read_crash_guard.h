@@ -51,17 +51,19 @@ class ReadCrashGuard {
   }, old_bus_{};
 };
 
-/// For the program's life: the data and weights files are mapped into memory, and one shortened
-/// while in use (rewritten by another program) raises SIGBUS at the next touch of a page past its
-/// new end. The program then ends with one line, exit 3, instead of "Bus error" and a core dump.
-/// A ReadCrashGuard replaces the handler while it reads and puts it back.
+/// For the program's life: the data and weights files (and a checkpoint while it is loaded) are
+/// mapped into memory, and one shortened while in use (rewritten by another program) raises
+/// SIGBUS at the next touch of a page past its new end. The program then ends with one line,
+/// exit 3, instead of "Bus error" and a core dump. A ReadCrashGuard replaces the handler while it
+/// reads and puts it back.
 inline void install_mapped_file_fault_handler() {
   struct sigaction sa {};
   sa.sa_handler = [](int) {
     static const char line[] =
         "trainer: error: a file mapped into memory (the --dataset, --eval-dataset or "
-        "--init-weights file) was shortened while this process read it (SIGBUS): the run cannot "
-        "go on; give the file back whole and --resume from the last checkpoint\n";
+        "--init-weights file, or a checkpoint being resumed) was shortened while this process "
+        "read it (SIGBUS): the run cannot go on; give the file back whole and --resume from the "
+        "last checkpoint\n";
     const ssize_t ignored = ::write(STDERR_FILENO, line, sizeof(line) - 1);
     (void)ignored;
     ::_exit(3);
