@@ -7,10 +7,12 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/grad_mode.h>
+#include <caffe2/serialize/inline_container.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include <set>
 #include <string_view>
 
+#include "atomic_write.h"
 #include "mapped_file.h"
 #include "torch_save.h"
 
@@ -40,10 +43,6 @@ constexpr size_t kHeaderSize = sizeof(kMagic) + 4 + 8 + 8;
 // it stays: changing it would make every existing checkpoint read as corrupt.
 constexpr uint64_t kChecksumBasis = 1469598103934665603ULL;
 
-// Writes `path` atomically, its bytes written to the open temporary by `write`, which returns
-// nullptr or the call that failed ("write") with errno set; what `write` throws removes the
-// temporary and passes on.
-void write_file_atomically_with(const fs::path& path, const std::function<const char*(int)>& write);
 // The checkpoint in `bytes`, checked; `where` names it in errors.
 Checkpoint parse_payload(std::string_view bytes, const std::string& where);
 
@@ -155,10 +154,7 @@ std::string read_all(const fs::path& path, const std::string& what) {
 
 }  // namespace
 
-namespace {
-
-// Writes the `n` bytes at `p` to `fd`. Returns nullptr, or "write" with errno set.
-const char* write_all(int fd, const char* p, size_t n) {
+const char* detail::write_all(int fd, const char* p, size_t n) {
   size_t done = 0;
   while (done < n) {
     const ssize_t k = ::write(fd, p + done, n - done);
@@ -171,10 +167,12 @@ const char* write_all(int fd, const char* p, size_t n) {
   return nullptr;
 }
 
+namespace {
+
 // Writes all of `bytes` to `fd` and fsyncs it. Returns nullptr, or the call that failed
 // ("write", "fsync") with errno set by it.
 const char* write_and_sync(int fd, const std::string& bytes) {
-  if (const char* failed = write_all(fd, bytes.data(), bytes.size())) return failed;
+  if (const char* failed = detail::write_all(fd, bytes.data(), bytes.size())) return failed;
   return ::fsync(fd) == 0 ? nullptr : "fsync";
 }
 
@@ -205,14 +203,12 @@ void append_to_file(const fs::path& path, const std::string& bytes) {
 }
 
 void write_file_atomically(const fs::path& path, const std::string& bytes) {
-  write_file_atomically_with(path,
-                             [&](int fd) { return write_all(fd, bytes.data(), bytes.size()); });
+  detail::write_file_atomically_with(
+      path, [&](int fd) { return detail::write_all(fd, bytes.data(), bytes.size()); });
 }
 
-namespace {
-
-void write_file_atomically_with(const fs::path& path,
-                                const std::function<const char*(int)>& write) {
+void detail::write_file_atomically_with(const fs::path& path,
+                                        const std::function<const char*(int)>& write) {
   const fs::path tmp = temporary_path(path), dir = tmp.parent_path();
   auto fail = [&](const std::string& what) {
     const std::string reason = std::strerror(errno);
@@ -253,6 +249,8 @@ void write_file_atomically_with(const fs::path& path,
     ::close(dfd);
   }
 }
+
+namespace {
 
 // Where a checkpoint's payload goes as it is encoded: counted and summed (FNV-1a) as it passes,
 // small pieces gathered into a buffer, a tensor's bytes handed on as they are. Without a sink it
@@ -345,10 +343,10 @@ void save_checkpoint(const Checkpoint& ckpt, const fs::path& path) {
   // Streamed into the file: a header to be filled in, then the payload as it is encoded, then the
   // header with its size and checksum. Memory: a buffer and one tensor's CPU copy at a time, not
   // a copy of the whole checkpoint.
-  write_file_atomically_with(path, [&](int fd) -> const char* {
-    const char* failed = write_all(fd, std::string(kHeaderSize, '\0').data(), kHeaderSize);
+  detail::write_file_atomically_with(path, [&](int fd) -> const char* {
+    const char* failed = detail::write_all(fd, std::string(kHeaderSize, '\0').data(), kHeaderSize);
     PayloadWriter out([&](const char* p, size_t n) {
-      if (!failed) failed = write_all(fd, p, n);
+      if (!failed) failed = detail::write_all(fd, p, n);
     });
     if (!failed) encode_payload(ckpt, out);
     if (failed) return failed;
@@ -571,10 +569,40 @@ void restore_rng_state(const std::map<std::string, at::Tensor>& states) {
 
 void save_model_weights(const std::vector<std::pair<std::string, at::Tensor>>& params,
                         const fs::path& path) {
+  // What torch::jit::pickle_save writes (a zip archive: the pickle of the dict, one record per
+  // storage), streamed into the file instead of built in memory, so saving holds no copy of the
+  // archive. CPU tensors are written from their own memory.
   c10::Dict<std::string, at::Tensor> d;
   for (const auto& [k, v] : params) d.insert(k, v.detach().to(at::kCPU).contiguous());
-  std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(d));
-  write_file_atomically(path, std::string(bytes.begin(), bytes.end()));
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler(
+      [&](const char* p, size_t n) { pickle.insert(pickle.end(), p, p + n); });
+  pickler.protocol();
+  pickler.pushIValue(c10::IValue(d));
+  pickler.stop();
+  detail::write_file_atomically_with(path, [&](int fd) -> const char* {
+    const char* failed = nullptr;
+    int error = 0;
+    try {
+      caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) -> size_t {
+        if (!failed && (failed = detail::write_all(fd, static_cast<const char*>(p), n)))
+          error = errno;
+        return failed ? 0 : n;
+      });
+      const std::vector<at::Tensor>& storages = pickler.tensorData();
+      for (size_t i = 0; i < storages.size(); ++i) {
+        const torch::jit::WriteableTensorData data =
+            torch::jit::getWriteableTensorData(storages[i]);
+        writer.writeRecord("data/" + std::to_string(i), data.data(), data.sizeInBytes());
+      }
+      writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+      writer.writeEndOfFile();
+    } catch (const c10::Error&) {
+      if (!failed) throw;  // the writer's own fault, not the file's
+    }
+    errno = error;
+    return failed;
+  });
 }
 
 std::map<std::string, at::Tensor> load_model_weights(const fs::path& path, bool* mapped) {

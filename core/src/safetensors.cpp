@@ -13,6 +13,7 @@
 #include <memory>
 #include <set>
 
+#include "atomic_write.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/messages.h"
 #include "fusebox/error.h"
@@ -404,11 +405,21 @@ void append_json_string(std::string& out, const std::string& s) {
 
 }  // namespace
 
-std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                               const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// A safetensors file to be written: its first 8 bytes and header, then its tensors' bytes in
+// order, each tensor brought to the CPU (and made contiguous) only when its bytes are written.
+struct FileLayout {
+  std::string head;                 // the header size and the header
+  std::vector<at::Tensor> tensors;  // in the file's order
+  uint64_t data_bytes = 0;
+};
+
+FileLayout layout_of(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                     const std::map<std::string, std::string>& metadata) {
   struct Item {
     std::string name;
-    at::Tensor tensor;  // on the CPU, contiguous
+    at::Tensor tensor;
     const DtypeName* dtype;
   };
   std::vector<Item> sorted;
@@ -421,7 +432,7 @@ std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tens
     if (!known)
       throw Error("cannot write safetensors: tensor '" + name + "' is " +
                   c10::toString(t.scalar_type()) + ", which the format has no name for");
-    sorted.push_back({name, t.detach().to(at::kCPU).contiguous(), known});
+    sorted.push_back({name, t.detach(), known});
   }
   // Larger elements first: with the header padded to 8 bytes, each tensor starts aligned.
   std::stable_sort(sorted.begin(), sorted.end(), [](const Item& a, const Item& b) {
@@ -438,33 +449,59 @@ std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tens
     append_json_string(header, it->second);
   }
   header += '}';
-  uint64_t offset = 0;
+  FileLayout out;
   for (const auto& [name, t, dtype] : sorted) {
     header += ',';
     append_json_string(header, name);
     header += ":{\"dtype\":\"" + std::string(dtype->name) + "\",\"shape\":[";
     for (int64_t d = 0; d < t.dim(); ++d) header += (d ? "," : "") + std::to_string(t.size(d));
     const uint64_t bytes = t.numel() * t.element_size();
-    header += "],\"data_offsets\":[" + std::to_string(offset) + "," +
-              std::to_string(offset + bytes) + "]}";
-    offset += bytes;
+    header += "],\"data_offsets\":[" + std::to_string(out.data_bytes) + "," +
+              std::to_string(out.data_bytes + bytes) + "]}";
+    out.data_bytes += bytes;
+    out.tensors.push_back(t);
   }
   header += '}';
   header.append((8 - header.size() % 8) % 8, ' ');
-  std::string out(8, '\0');
+  out.head.assign(8, '\0');
   const uint64_t n = header.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
-  out.reserve(8 + header.size() + offset);
-  out += header;
-  for (const Item& item : sorted)
-    out.append(static_cast<const char*>(item.tensor.data_ptr()),
-               item.tensor.numel() * item.tensor.element_size());
+  for (int i = 0; i < 8; ++i) out.head[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+  out.head += header;
+  return out;
+}
+
+// Hands the bytes of each tensor of `layout`, in order, to `write`.
+void for_each_data(const FileLayout& layout,
+                   const std::function<void(const char*, size_t)>& write) {
+  for (const at::Tensor& t0 : layout.tensors) {
+    const at::Tensor t = t0.to(at::kCPU).contiguous();
+    if (t.numel() > 0) write(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
+  }
+}
+
+}  // namespace
+
+std::string encode_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                               const std::map<std::string, std::string>& metadata) {
+  const FileLayout layout = layout_of(tensors, metadata);
+  std::string out;
+  out.reserve(layout.head.size() + layout.data_bytes);
+  out += layout.head;
+  for_each_data(layout, [&](const char* p, size_t n) { out.append(p, n); });
   return out;
 }
 
 void save_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                       const fs::path& path, const std::map<std::string, std::string>& metadata) {
-  write_file_atomically(path, encode_safetensors(tensors, metadata));
+  // Streamed into the file: no copy of the whole file is built in memory.
+  const FileLayout layout = layout_of(tensors, metadata);
+  detail::write_file_atomically_with(path, [&](int fd) -> const char* {
+    const char* failed = detail::write_all(fd, layout.head.data(), layout.head.size());
+    for_each_data(layout, [&](const char* p, size_t n) {
+      if (!failed) failed = detail::write_all(fd, p, n);
+    });
+    return failed;
+  });
 }
 
 std::map<std::string, at::Tensor> parse_safetensors(const std::string& bytes,

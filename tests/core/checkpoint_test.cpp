@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "../error_of.h"
+#include "../peak_memory.h"
 #include "../scratch_dir.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/hyperparam_validation.h"
@@ -20,7 +21,10 @@
 
 using namespace fusebox;
 using fusebox::testing::error_of;
+using fusebox::testing::kResidentSizeMeasures;
+using fusebox::testing::reset_peak_rss;
 using fusebox::testing::ScratchDir;
+using fusebox::testing::status_kib;
 using fusebox::testing::TinyLm;
 namespace fs = std::filesystem;
 
@@ -433,19 +437,6 @@ TEST(Checkpoint, AStateTensorNamedStepIsRefusedAtTheFirstStep) {
       << m;
 }
 
-namespace {
-
-// This process's resident memory now and its peak since the last reset_peak_rss(), in KiB.
-int64_t status_kib(const std::string& field) {
-  std::ifstream in("/proc/self/status");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
-  return -1;
-}
-bool reset_peak_rss() { return static_cast<bool>(std::ofstream("/proc/self/clear_refs") << "5"); }
-
-}  // namespace
-
 // Saving streams the checkpoint into its file: the process's peak memory does not grow by the
 // checkpoint's size (an encoded copy of it), and the file loads back exactly.
 TEST(Checkpoint, SavingHoldsNoCopyOfTheCheckpoint) {
@@ -456,17 +447,11 @@ TEST(Checkpoint, SavingHoldsNoCopyOfTheCheckpoint) {
   c.meta["note"] = "streamed";
   c.counters["step"] = 7;
   const fs::path file = scratch.path() / checkpoint_name(7);
-#if defined(__SANITIZE_ADDRESS__)
-  GTEST_SKIP() << "ASan's shadow memory and quarantine make the resident size no measure here";
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-  GTEST_SKIP() << "ASan's shadow memory and quarantine make the resident size no measure here";
-#endif
-#endif
+  if (!kResidentSizeMeasures) GTEST_SKIP() << "the resident size measures nothing under ASan";
   if (!reset_peak_rss()) GTEST_SKIP() << "/proc/self/clear_refs cannot be written here";
-  const int64_t before = status_kib("VmRSS");
+  const long long before = status_kib("VmRSS");
   save_checkpoint(c, file);
-  const int64_t grew = status_kib("VmHWM") - before;
+  const long long grew = status_kib("VmHWM") - before;
   EXPECT_LT(grew, 16 * 1024) << "KiB";  // an encoded copy would be 128 MiB
   const Checkpoint back = load_checkpoint(file);
   EXPECT_TRUE(at::equal(back.model.at("w"), c.model.at("w")));

@@ -8,13 +8,17 @@
 #include <iterator>
 
 #include "../error_of.h"
+#include "../peak_memory.h"
 #include "../scratch_dir.h"
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/memory_tracker.h"
 
 using namespace fusebox;
 using fusebox::testing::error_of;
+using fusebox::testing::kResidentSizeMeasures;
+using fusebox::testing::reset_peak_rss;
 using fusebox::testing::ScratchDir;
+using fusebox::testing::status_kib;
 namespace fs = std::filesystem;
 
 namespace {
@@ -102,4 +106,20 @@ TEST(TorchSave, AFileThatIsNoArchiveGetsTheReadersMessage) {
   EXPECT_NE(msg.find("model weights " + file.string() + " cannot be decoded"), std::string::npos)
       << msg;
   EXPECT_FALSE(mapped);
+}
+
+// Saving streams the archive into the file: the peak resident memory does not grow by the
+// weights' size (pickle_save would build the whole archive in memory, and a copy of it).
+TEST(TorchSave, SavingHoldsNoCopyOfTheWeights) {
+  const ScratchDir scratch("torch-save-stream");
+  const fs::path file = scratch.path() / "w.pt";
+  const at::Tensor w = at::rand({32, 1024, 1024});  // 128 MiB
+  if (!kResidentSizeMeasures) GTEST_SKIP() << "the resident size measures nothing under ASan";
+  if (!reset_peak_rss()) GTEST_SKIP() << "/proc/self/clear_refs cannot be written here";
+  const long long before = status_kib("VmRSS");
+  save_model_weights({{"w", w}, {"b", at::arange(3.0)}}, file);
+  EXPECT_LT(status_kib("VmHWM") - before, 16 * 1024) << "KiB";
+  const auto back = load_model_weights(file);
+  EXPECT_TRUE(at::equal(back.at("w"), w));
+  EXPECT_TRUE(at::equal(back.at("b"), at::arange(3.0)));
 }
