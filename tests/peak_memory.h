@@ -1,8 +1,11 @@
-// The process's resident memory and its peak, from /proc/self/status: for tests that show an
-// operation holds no copy of a large file (a copy raises the peak by its size).
+// The growth of the process's peak resident memory while something runs, from /proc/self/status:
+// for tests that show an operation holds no copy of a large file (a copy raises the peak by its
+// size).
 #pragma once
 
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <string>
 
 namespace fusebox::testing {
@@ -15,24 +18,24 @@ inline long long status_kib(const std::string& field) {
   return -1;
 }
 
-/// Starts a new peak (VmHWM = VmRSS); false where /proc/self/clear_refs cannot be written.
-inline bool reset_peak_rss() {
-  return static_cast<bool>(std::ofstream("/proc/self/clear_refs") << "5");
-}
-
-/// Under AddressSanitizer (shadow memory, a quarantine of freed blocks) the resident size measures
-/// nothing about the code under test.
-constexpr bool kResidentSizeMeasures =
+/// Runs `f` and returns how many KiB the peak resident memory grew by meanwhile; nothing where
+/// that cannot be measured (the tests then check nothing of it): under AddressSanitizer (shadow
+/// memory and a quarantine of freed blocks make the resident size no measure of the code), or where
+/// /proc/self/clear_refs, which starts a new peak, cannot be written. `f` runs either way.
+inline std::optional<long long> peak_growth_kib(const std::function<void()>& f) {
+  bool measures = true;
 #if defined(__SANITIZE_ADDRESS__)
-    false;
+  measures = false;
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer)
-    false;
-#else
-    true;
+  measures = false;
 #endif
-#else
-    true;
 #endif
+  measures = measures && static_cast<bool>(std::ofstream("/proc/self/clear_refs") << "5");
+  const long long before = status_kib("VmRSS");
+  f();
+  if (!measures || before < 0) return std::nullopt;
+  return status_kib("VmHWM") - before;
+}
 
 }  // namespace fusebox::testing
