@@ -26,6 +26,7 @@ using testing::read_text;
 using testing::Result;
 using testing::run_trainer;
 using testing::TempDir;
+using testing::two_step_epochs_run;
 
 // step -> eval_loss of the records that have one.
 std::map<int64_t, double> eval_losses(const std::string& jsonl_path) {
@@ -235,22 +236,8 @@ TEST(TrainerEval, EvaluatesWhereEpochsEnd) {
   TempDir tmp;
   const at::Tensor input = at::arange(20, at::kFloat).reshape({10, 2}) / 20;
   save_safetensors({{"input", input}, {"target", input.sum(1)}}, tmp.file("d.safetensors"));
-  const std::vector<std::string> args = {"--optimizer",
-                                         "sgd",
-                                         "--model-width",
-                                         "2",
-                                         "--dataset",
-                                         "tensors:" + tmp.file("d.safetensors"),
-                                         "--eval-holdout",
-                                         "0.2",
-                                         "--train-batch-size",
-                                         "4",
-                                         "--max-train-steps",
-                                         "7",
-                                         "--eval-every-n-epochs",
-                                         "1",
-                                         "--log-every",
-                                         "0"};
+  const std::vector<std::string> args =
+      two_step_epochs_run(tmp.file("d.safetensors"), "--eval-every-n-epochs");
   auto steps_of = [&](const std::string& out) {
     std::set<int64_t> steps;
     for (const auto& [step, loss] : eval_losses(out + "/metrics.jsonl")) steps.insert(step);

@@ -36,6 +36,7 @@ using testing::losses;
 using testing::Result;
 using testing::run_trainer;
 using testing::TempDir;
+using testing::two_step_epochs_run;
 using Named = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Ten samples whose 'target' is the sample's number and whose 'input' row is [2n, 2n + 1].
@@ -417,22 +418,8 @@ TEST(TrainerTensorData, CheckpointsFollowTheEpochs) {
   // Through the trainer: 10 samples, 2 held out, batches of 4: an epoch every 2 steps.
   TempDir tmp;
   save_safetensors(numbered(), tmp.file("d.safetensors"));
-  const std::vector<std::string> args = {"--optimizer",
-                                         "sgd",
-                                         "--model-width",
-                                         "2",
-                                         "--dataset",
-                                         "tensors:" + tmp.file("d.safetensors"),
-                                         "--eval-holdout",
-                                         "0.2",
-                                         "--train-batch-size",
-                                         "4",
-                                         "--max-train-steps",
-                                         "7",
-                                         "--save-every-n-epochs",
-                                         "1",
-                                         "--log-every",
-                                         "0"};
+  const std::vector<std::string> args =
+      two_step_epochs_run(tmp.file("d.safetensors"), "--save-every-n-epochs");
   Result r = run_trainer(join(args, {"--output-dir", tmp.file("out")}));
   ASSERT_EQ(r.code, 0) << r.err;
   std::vector<std::string> names;

@@ -43,6 +43,16 @@ class TempDir : public ::fusebox::testing::ScratchDir {
   }
 };
 
+/// A run of sgd on a tensors file of 10 samples with 2 held out, in batches of 4 (an epoch every
+/// 2 steps), for 7 steps, with `every_n_epochs` (an option counted in epochs) set to 1.
+inline std::vector<std::string> two_step_epochs_run(const std::string& data,
+                                                    const std::string& every_n_epochs) {
+  return {
+      "--optimizer",    "sgd", "--model-width",      "2", "--dataset",         "tensors:" + data,
+      "--eval-holdout", "0.2", "--train-batch-size", "4", "--max-train-steps", "7",
+      every_n_epochs,   "1",   "--log-every",        "0"};
+}
+
 inline std::string read_text(const std::string& path) {
   std::ifstream in(path);
   std::ostringstream s;
