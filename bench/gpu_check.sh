@@ -167,6 +167,7 @@ note "configured: C++$(cache_value FUSEBOX_CXX_STANDARD_IN_USE), $CXX_USED ($("$
 part "build" "${FUSEBOX_GPU_BUILD_S:-300}" cmake --build "$BUILD" -j "$(nproc)" \
   --target plugin_tests core_tests trainer memory_bench ||
   fail "build (see gpu_check.log)"
+note "trainer: $("$BUILD/bin/trainer" --version 2>&1 | tail -n 1)"
 
 # ---- 3. Tests on the GPU ------------------------------------------------------------------------
 # Plugins on CUDA: the kernels against the host math, the reference trajectories, step() against

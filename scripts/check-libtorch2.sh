@@ -54,7 +54,7 @@ fi
 suffix=$([ $cuda -eq 1 ] && echo "-cuda" || true)
 root=${FUSEBOX_TORCH2_ROOT:-/var/cache/fusebox/trixie-libtorch2$suffix}
 mirror=http://deb.debian.org/debian
-common=build-essential,cmake,ninja-build,ccache,libboost-dev,libboost-program-options-dev,libboost-filesystem-dev,libtomlplusplus-dev,libgtest-dev,libgmock-dev,libopenblas0-pthread,python3
+common=build-essential,cmake,ninja-build,ccache,libboost-dev,libboost-program-options-dev,libboost-filesystem-dev,libtomlplusplus-dev,libgtest-dev,libgmock-dev,libopenblas0-pthread,zlib1g-dev,python3
 
 if [ ! -f "$root/.fusebox-ready" ]; then
   if ! command -v mmdebstrap >/dev/null; then

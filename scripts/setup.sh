@@ -6,6 +6,7 @@ packages=(
   libtorch-dev libopenblas0-pthread   # OpenBLAS: without it LibTorch's matmuls are ~40x slower
   libboost-dev libboost-program-options-dev libboost-filesystem-dev
   libtomlplusplus-dev libgtest-dev libgloo-dev
+  zlib1g-dev                          # np.savez_compressed archives
   clang libclang-rt-14-dev            # sanitizer and libFuzzer builds
   python3-torch                       # tests: files and TorchScript modules with Python's PyTorch
 )

@@ -235,8 +235,9 @@ at::Tensor npy_at(const char* bytes, uint64_t size, const std::string& where,
 }
 
 // ---- .npz: a zip archive of .npy files -------------------------------------------------------
-// Only what np.savez writes is read: stored (uncompressed) entries, so that each array's bytes lie
-// in the archive as they are and can be viewed in place (detail::zip_entries checks the rest).
+// np.savez stores each entry as it is, so each array's bytes lie in the archive and are viewed in
+// place (detail::zip_entries checks the rest); np.savez_compressed deflates them, and each is
+// inflated into memory of its own, which its tensor then views.
 
 // The arrays of the .npz archive in the `total` bytes at `p`, by name.
 std::map<std::string, at::Tensor> npz_at(const char* p, uint64_t total, const std::string& where,
@@ -244,23 +245,24 @@ std::map<std::string, at::Tensor> npz_at(const char* p, uint64_t total, const st
                                          UnsignedTypes* unsigned_types = nullptr) {
   if (unsigned_types) unsigned_types->clear();
   std::map<std::string, at::Tensor> out;
-  for (const detail::ZipEntry& e :
-       detail::zip_entries(p, total, where + ": not a valid .npz file: ")) {
-    if (!e.stored)
-      throw Error(where + ": not a valid .npz file: '" + e.name +
-                  "' is compressed (np.savez_compressed); save the arrays with np.savez, which "
-                  "stores them as they are");
+  const std::string bad = where + ": not a valid .npz file: ";
+  for (const detail::ZipEntry& e : detail::zip_entries(p, total, bad)) {
     const bool npy = e.name.size() > 4 && e.name.compare(e.name.size() - 4, 4, ".npy") == 0;
-    if (!npy)
-      throw Error(where + ": not a valid .npz file: it holds '" + e.name +
-                  "', which is not a .npy file");
+    if (!npy) throw Error(bad + "it holds '" + e.name + "', which is not a .npy file");
     const std::string name = e.name.substr(0, e.name.size() - 4);
     at::ScalarType widens = at::ScalarType::Undefined;
-    at::Tensor t = npy_at(p + e.offset, e.size, where + " '" + name + "'", keep,
-                          unsigned_types ? &widens : nullptr);
+    std::shared_ptr<void> content = keep;
+    const char* bytes = p + e.offset;
+    uint64_t size = e.size;
+    if (!e.stored) {
+      std::shared_ptr<char> inflated = detail::inflate_entry(p, e, bad);
+      bytes = inflated.get(), size = e.content_size, content = std::move(inflated);
+    }
+    at::Tensor t =
+        npy_at(bytes, size, where + " '" + name + "'", content, unsigned_types ? &widens : nullptr);
     if (widens != at::ScalarType::Undefined) (*unsigned_types)[name] = widens;
     if (!out.emplace(name, std::move(t)).second)
-      throw Error(where + ": not a valid .npz file: it holds '" + e.name + "' twice");
+      throw Error(bad + "it holds '" + e.name + "' twice");
   }
   if (out.empty()) throw Error(where + ": the .npz file holds no arrays");
   return out;
@@ -271,6 +273,8 @@ std::map<std::string, at::Tensor> npz_at(const char* p, uint64_t total, const st
 bool looks_like_npy(const std::string& head) {
   return head.size() >= kMagicBytes && head.compare(0, kMagicBytes, kMagic) == 0;
 }
+
+bool npz_reads_compressed() { return detail::can_inflate(); }
 
 bool looks_like_npz(const std::string& head) {
   // A zip archive whose first entry's name ends in .npy (np.savez writes nothing else).

@@ -33,9 +33,12 @@ class ZipReader {
       ZipEntry e;
       e.name.assign(p_ + at + 46, name_len);
       e.stored = method == 0;
+      e.method = static_cast<uint16_t>(method);
+      e.crc32 = static_cast<uint32_t>(le(at + 16, 4));
       if (flags & 1) fail("'" + e.name + "' is encrypted");
       // ZIP64: the fields at their maximum are in the extra field, in this order.
       const uint64_t usize = le(at + 24, 4);
+      e.content_size = usize;
       const bool big_usize = usize == 0xFFFFFFFF, big_size = size == 0xFFFFFFFF,
                  big_local = local == 0xFFFFFFFF;
       if (big_usize || big_size || big_local) {
@@ -54,8 +57,7 @@ class ZipReader {
               if (f + 8 > f_end) fail("'" + e.name + "' has a short ZIP64 field");
               value = le(f, 8), f += 8;
             };
-            uint64_t ignored_usize = 0;
-            field(big_usize, ignored_usize);
+            field(big_usize, e.content_size);
             field(big_size, size);
             field(big_local, local);
             found = true;

@@ -8,7 +8,7 @@
   torch.save (--dataset tensors:), its forward taking them by name, and torch.jit.load reads the
   trained module back with the weights the samples were made with;
 - arrays written by NumPy's np.save (Fortran-ordered floats, a uint16 token stream), np.savez
-  (named input and target) and tofile (a headerless .bin of uint16 ids, as nanoGPT's train.bin)
+  and np.savez_compressed (named input and target; the same run from either) and tofile (a headerless .bin of uint16 ids, as nanoGPT's train.bin)
   train as --dataset tensors: files.
 Run by ctest (tests/CMakeLists.txt, where a python3 imports torch: Debian's python3-torch) and by
 bench/gpu_check.sh:  python3 tests/python/torch_interop.py TRAINER FOLDER
@@ -227,4 +227,23 @@ out = run("--model", "mlp", "--model-width", "4", "--dataset", "tensors:" + path
           "--optimizer", "adamw", "--max-train-steps", "2", "--output-dir", path("xy"))
 assert "(128 samples: input [4] Float, target [1] Float" in out, out
 print("np.savez'd input and target: 128 samples")
+
+
+def last_loss(run_dir):
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)["last_loss"]
+
+
+version = subprocess.run([trainer, "--version"], capture_output=True, text=True).stdout
+if "np.savez_compressed (zlib) yes" in version:
+    np.savez_compressed(path("xy_deflated.npz"), input=x, target=np.tanh(x.sum(1, keepdims=True)))
+    out = run("--model", "mlp", "--model-width", "4", "--dataset",
+              "tensors:" + path("xy_deflated.npz"), "--optimizer", "adamw", "--max-train-steps",
+              "2", "--output-dir", path("xy_deflated"))
+    assert "(128 samples: input [4] Float, target [1] Float" in out, out
+    assert last_loss(path("xy_deflated")) == last_loss(path("xy")), \
+        (last_loss(path("xy_deflated")), last_loss(path("xy")))
+    print("np.savez_compressed'd input and target: the same run as np.savez's")
+else:
+    print("np.savez_compressed: skipped, this trainer was built without zlib")
 print("torch interop: all equal")

@@ -3,6 +3,8 @@
 
 #include "../error_of.h"
 #include "config.h"
+#include "fusebox/core/distributed.h"
+#include "fusebox/core/npy.h"
 #include "fusebox/error.h"
 #include "options.h"
 #include "toml_io.h"
@@ -225,7 +227,14 @@ TEST(TrainerProgram, HelpListsEveryOptionWithDefault) {
   EXPECT_NE(r.out.find("--max-train-steps N"), std::string::npos);
   EXPECT_NE(r.out.find("[default: 100]"), std::string::npos);
   EXPECT_NE(r.out.find("[default: constant]"), std::string::npos);
-  EXPECT_NE(run_trainer({"--version"}).out.find("trainer (fusebox)"), std::string::npos);
+  const std::string version = run_trainer({"--version"}).out;
+  EXPECT_NE(version.find("trainer (fusebox)"), std::string::npos);
+  // What the build can do, as the library says it.
+  EXPECT_NE(
+      version.find(std::string("data parallel (Gloo) ") + (distributed_available() ? "yes" : "no") +
+                   ", np.savez_compressed (zlib) " + (npz_reads_compressed() ? "yes" : "no")),
+      std::string::npos)
+      << version;
 }
 
 TEST(TrainerProgram, FusedNeedsStepParamCapability) {

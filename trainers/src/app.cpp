@@ -16,8 +16,10 @@
 #include "config.h"
 #include "describe.h"
 #include "fusebox/core/checkpoint.h"
+#include "fusebox/core/distributed.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/messages.h"
+#include "fusebox/core/npy.h"
 #include "fusebox/core/suggest.h"
 #include "interrupt.h"
 #include "launch.h"
@@ -183,6 +185,20 @@ std::string run_model_path(const std::string& path, const std::string& name) {
   return (p.parent_path() / (p.stem().string() + "-" + name + p.extension().string())).string();
 }
 
+// What this build can do that another build of fusebox may not: scripts (and users reporting a
+// problem) read it from --version.
+std::string build_features_text() {
+  auto yes = [](bool b) { return b ? std::string("yes") : std::string("no"); };
+#ifdef FUSEBOX_WITH_CUDA
+  const bool cuda = true;
+#else
+  const bool cuda = false;
+#endif
+  return "CUDA (--device cuda) " + yes(cuda) + ", data parallel (Gloo) " +
+         yes(distributed_available()) + ", np.savez_compressed (zlib) " +
+         yes(npz_reads_compressed());
+}
+
 int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& err, bool terminal) {
   memory::install_cpu_tracking();
   CommandLine cl = parse_command_line(args);
@@ -192,7 +208,8 @@ int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   }
   if (cl.version) {
     out << "trainer (fusebox) " << FUSEBOX_VERSION << ", plugin API " << FUSEBOX_API_MAJOR << "."
-        << FUSEBOX_API_MINOR << ", LibTorch " << TORCH_VERSION << "\n";
+        << FUSEBOX_API_MINOR << ", LibTorch " << TORCH_VERSION << "\n"
+        << "built with: " << build_features_text() << "\n";
     return kExitOk;
   }
 
