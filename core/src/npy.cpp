@@ -274,8 +274,6 @@ bool looks_like_npy(const std::string& head) {
   return head.size() >= kMagicBytes && head.compare(0, kMagicBytes, kMagic) == 0;
 }
 
-bool npz_reads_compressed() { return detail::can_inflate(); }
-
 bool looks_like_npz(const std::string& head) {
   // A zip archive whose first entry's name ends in .npy (np.savez writes nothing else).
   if (head.size() < 30 || le(head.data(), 4) != 0x04034b50) return false;

@@ -25,12 +25,12 @@ struct ZipEntry {
 /// Throws Error starting with `bad` ("x.npz: not a valid .npz file: ") and saying what is wrong.
 std::vector<ZipEntry> zip_entries(const char* p, uint64_t total, const std::string& bad);
 
-/// Whether this build can inflate deflated entries (it was built with zlib).
-bool can_inflate();
-
 /// The content of the deflated entry `e` of the archive at `p`, inflated into memory of its own
 /// and checked against the entry's size and CRC-32. Throws Error starting with `bad`.
 std::shared_ptr<char> inflate_entry(const char* p, const ZipEntry& e, const std::string& bad);
+
+/// The CRC-32 of the `n` bytes at `p` (zlib's; a build without zlib throws Error).
+uint32_t crc32_of(const char* p, uint64_t n);
 
 /// The little-endian unsigned number in the `bytes` bytes at `p`.
 uint64_t little_endian(const char* p, int bytes);

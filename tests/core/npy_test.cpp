@@ -2,7 +2,7 @@
 // order, every dtype read, uint16/uint32 widened), mapped or parsed alike, and one Error naming the
 // fault for each way a file can be wrong. And .npz archives: one np.savez wrote
 // (tests/data/numpy-savez.npz), the same deflated by np.savez_compressed, ZIP64 ones laid out by
-// hand, and the faults of an archive and of a compressed entry.
+// hand, the faults of an archive and of a compressed entry, and CRC-32s checked on request.
 #include "fusebox/core/npy.h"
 
 #include <ATen/ATen.h>
@@ -12,6 +12,7 @@
 
 #include "../error_of.h"
 #include "../scratch_dir.h"
+#include "fusebox/core/zip_archive.h"
 
 using namespace fusebox;
 using fusebox::testing::error_of;
@@ -334,6 +335,39 @@ TEST(Npz, EveryDamagedCompressedEntryIsOneError) {
             bad + "is compressed with method 12, not deflate (the only one read)");
 }
 #endif
+
+// check_zip_crcs reads every entry of an archive against its CRC-32, stored and deflated alike:
+// a changed byte, and a stored entry whose declared sizes differ, are named with the entry.
+TEST(ZipArchive, EveryEntryIsCheckedAgainstItsCrc) {
+  const std::string stored = FUSEBOX_TEST_DATA "/numpy-savez.npz";
+  if (!zlib_available()) {
+    EXPECT_EQ(error_of([&] { check_zip_crcs(stored); }),
+              stored + ": its CRC-32s cannot be checked: this fusebox was built without zlib");
+    return;
+  }
+  EXPECT_EQ(check_zip_crcs(stored), 4);
+  EXPECT_EQ(check_zip_crcs(FUSEBOX_TEST_DATA "/numpy-savez-compressed.npz"), 4);
+  ScratchDir dir("zip-crc");
+  const std::string path = dir.file("d.npz");
+  const std::string good = file_bytes(stored);
+  auto error = [&](const std::string& bytes) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    return error_of([&] { check_zip_crcs(path); });
+  };
+  // The last byte of the first array's data (input.npy's 7.0f): still a valid archive and array.
+  const size_t entry = good.find("PK\x01\x02");
+  ASSERT_EQ(good.substr(entry + 46, 9), "input.npy");
+  std::string changed = good;
+  const size_t last = good.find("PK\x03\x04", 4) - 1;  // the byte before the second entry
+  changed[last] = static_cast<char>(changed[last] ^ 1);
+  EXPECT_EQ(error(changed),
+            path + ": 'input.npy' is damaged: its content does not match its CRC-32");
+  std::string sizes = good;
+  sizes[entry + 24] = static_cast<char>(sizes[entry + 24] + 1);  // its declared content size
+  EXPECT_EQ(error(sizes),
+            path + ": 'input.npy' is damaged: it is stored in 160 bytes and declares 161");
+  EXPECT_EQ(error("not a zip"), path + ": it is shorter than a zip archive's end record");
+}
 
 // A headerless file (numpy's tofile) is one array of the type named: viewed in the mapped file,
 // unsigned ones kept in their carriers when asked, a size that is no whole number of values and

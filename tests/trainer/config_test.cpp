@@ -4,7 +4,7 @@
 #include "../error_of.h"
 #include "config.h"
 #include "fusebox/core/distributed.h"
-#include "fusebox/core/npy.h"
+#include "fusebox/core/zip_archive.h"
 #include "fusebox/error.h"
 #include "options.h"
 #include "toml_io.h"
@@ -232,7 +232,7 @@ TEST(TrainerProgram, HelpListsEveryOptionWithDefault) {
   // What the build can do, as the library says it.
   EXPECT_NE(
       version.find(std::string("data parallel (Gloo) ") + (distributed_available() ? "yes" : "no") +
-                   ", np.savez_compressed (zlib) " + (npz_reads_compressed() ? "yes" : "no")),
+                   ", np.savez_compressed (zlib) " + (zlib_available() ? "yes" : "no")),
       std::string::npos)
       << version;
 }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <numeric>
 #include <regex>
@@ -23,6 +24,7 @@
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/safetensors.h"
+#include "fusebox/core/zip_archive.h"
 #include "fusebox/error.h"
 #include "tensor_data.h"
 #include "trainer_test_util.h"
@@ -715,6 +717,64 @@ TEST(TrainerTensorData, CheckDataChecksEveryValueAndTrainsNothing) {
                        ": 'input' holds values that are not finite (NaN or Inf): a NaN sample "
                        "makes the loss NaN; clean or drop those samples\n");
   EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
+}
+
+// --check-data reads the zip archives (torch.save'd, .npz) whole against their CRC-32s: a value
+// changed on disk that is still a valid number, which no other check sees, is named with its entry
+// (in a folder, with its file), exit 2.
+TEST(TrainerTensorData, CheckDataReadsArchivesAgainstTheirCrcs) {
+  TempDir tmp;
+  std::filesystem::create_directories(tmp.file("shards"));
+  const std::string file = tmp.file("shards/part-1.pt");
+  save_model_weights(numbered(), tmp.file("shards/part-0.pt"));
+  save_model_weights(numbered(), file);
+  auto check = [&](const std::string& path) {
+    return run_trainer({"--optimizer", "sgd", "--model-width", "2", "--dataset", "tensors:" + path,
+                        "--check-data"});
+  };
+  Result r = check(file);
+  ASSERT_EQ(r.code, 0) << r.err;
+  if (!zlib_available()) {
+    EXPECT_NE(r.out.find("; the CRC-32s of 1 archive were not checked (this fusebox was built "
+                         "without zlib)\n"),
+              std::string::npos)
+        << r.out;
+    return;
+  }
+  const std::regex counted(".*; CRC-32s of ([0-9]+) archive entries checked\n");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_match(r.out, m, counted)) << r.out;
+  const int entries = std::stoi(m[1]);
+  EXPECT_GE(entries, 3);  // the pickle and a record per tensor, at least
+  r = check(tmp.file("shards"));
+  ASSERT_TRUE(std::regex_match(r.out, m, counted)) << r.out;
+  EXPECT_EQ(std::stoi(m[1]), 2 * entries);
+
+  // 7.0f (input[3][1]) becomes 8.0f: finite, so only the CRC-32 tells.
+  std::ifstream in(file, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  const float seven = 7, eight = 8;
+  const size_t at = bytes.find(std::string(reinterpret_cast<const char*>(&seven), 4));
+  ASSERT_NE(at, std::string::npos);
+  bytes.replace(at, 4, std::string(reinterpret_cast<const char*>(&eight), 4));
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  const std::regex damaged(
+      "trainer: error: --dataset tensors:(.*): '[^']+' is damaged: its "
+      "content does not match its CRC-32; copy or write the file again\n");
+  r = check(file);
+  EXPECT_EQ(r.code, 2);
+  ASSERT_TRUE(std::regex_match(r.err, m, damaged)) << r.err;
+  EXPECT_EQ(m[1], file);
+  r = check(tmp.file("shards"));
+  EXPECT_EQ(r.code, 2);
+  ASSERT_TRUE(std::regex_match(r.err, m, damaged)) << r.err;
+  EXPECT_EQ(m[1], tmp.file("shards") + ": " + file);  // the folder, then the file in it
+  // Training views the records and does not read them whole: it takes the 8.
+  EXPECT_EQ(run_trainer({"--optimizer", "sgd", "--model-width", "2", "--dataset", "tensors:" + file,
+                         "--max-train-steps", "1"})
+                .code,
+            0);
 }
 
 // Files that do not fit the model, or are not data, are refused in one line naming the option

@@ -19,8 +19,8 @@
 #include "fusebox/core/distributed.h"
 #include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/messages.h"
-#include "fusebox/core/npy.h"
 #include "fusebox/core/suggest.h"
+#include "fusebox/core/zip_archive.h"
 #include "interrupt.h"
 #include "launch.h"
 #include "options.h"
@@ -195,8 +195,7 @@ std::string build_features_text() {
   const bool cuda = false;
 #endif
   return "CUDA (--device cuda) " + yes(cuda) + ", data parallel (Gloo) " +
-         yes(distributed_available()) + ", np.savez_compressed (zlib) " +
-         yes(npz_reads_compressed());
+         yes(distributed_available()) + ", np.savez_compressed (zlib) " + yes(zlib_available());
 }
 
 int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& err, bool terminal) {

@@ -32,6 +32,7 @@
 #include "init_weights.h"
 #include "interrupt.h"
 #include "model.h"
+#include "tensor_data.h"
 
 namespace fusebox::trainer {
 
@@ -425,8 +426,18 @@ std::string check_data_text(const TrainConfig& c) {
   const std::unique_ptr<DataSource> data = make_data(c, forward);
   std::unique_ptr<EvalData> eval_data;
   if (c.evaluates()) eval_data = std::make_unique<EvalData>(c, forward);
+  // The data line, and what was checked beyond it.
+  const ArchiveCheck archives = check_archive_crcs(c);
+  std::string checked;
+  if (archives.entries > 0)
+    checked += "; CRC-32s of " + std::to_string(archives.entries) + " archive entr" +
+               (archives.entries == 1 ? "y" : "ies") + " checked";
+  if (archives.unchecked_archives > 0)
+    checked += "; the CRC-32s of " + std::to_string(archives.unchecked_archives) + " archive" +
+               (archives.unchecked_archives == 1 ? " were" : "s were") +
+               " not checked (this fusebox was built without zlib)";
   return (c.name.empty() ? "" : "[" + c.name + "] ") +
-         "data: " + data_text(c, *data, eval_data.get()) + "\n";
+         "data: " + data_text(c, *data, eval_data.get()) + checked + "\n";
 }
 
 std::string list_params_text(const TrainConfig& c, const LoadedPlugin& plugin,

@@ -13,6 +13,7 @@
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/npy.h"
 #include "fusebox/core/safetensors.h"
+#include "fusebox/core/zip_archive.h"
 #include "fusebox/error.h"
 #include "tensor_file.h"
 
@@ -435,6 +436,33 @@ std::vector<std::string> data_files(const std::string& where, const std::string&
         "file, or a folder of the files of one dataset");
   std::sort(files.begin(), files.end());
   return files;
+}
+
+ArchiveCheck check_archive_crcs(const TrainConfig& c) {
+  ArchiveCheck out;
+  std::set<std::string> done;  // a file both options name is read once
+  auto check = [&](const std::string& label, const std::string& kind, const std::string& path) {
+    if (kind != "tensors") return;
+    const std::string where = label + " tensors:" + path;
+    for (const std::string& file : data_files(where, path)) {
+      if (!done.insert(file).second || read_file_head(file, 4) != "PK\x03\x04") continue;
+      if (!zlib_available()) {
+        ++out.unchecked_archives;
+        continue;
+      }
+      try {
+        out.entries += check_zip_crcs(file);
+      } catch (const Error& e) {
+        // Its errors start with the file, which `where` names already unless it is a folder.
+        std::string what = e.what();
+        if (file == path && what.rfind(file + ": ", 0) == 0) what.erase(0, file.size() + 2);
+        throw Error(where + ": " + what + "; copy or write the file again");
+      }
+    }
+  };
+  check("--dataset", c.dataset, c.dataset_path);
+  check("--eval-dataset", c.eval_dataset, c.eval_dataset_path);
+  return out;
 }
 
 namespace {

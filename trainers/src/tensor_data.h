@@ -37,6 +37,16 @@ std::unique_ptr<DataSource> make_tensor_data(const TrainConfig& config, const st
 /// folder without any.
 std::vector<std::string> data_files(const std::string& where, const std::string& path);
 
+/// --check-data's reading of the zip archives among the run's --dataset and --eval-dataset
+/// tensors: files (.npz, torch.save'd files) whole, each entry against its CRC-32 (the readers view
+/// stored entries without reading every byte): the entries checked, and the archives left
+/// unchecked in a build without zlib. Throws Error naming the option, the file and the entry.
+struct ArchiveCheck {
+  int64_t entries = 0;
+  int64_t unchecked_archives = 0;
+};
+ArchiveCheck check_archive_crcs(const TrainConfig& config);
+
 /// With --max-train-epochs, --save-every-n-epochs or --eval-every-n-epochs: sets `config`'s
 /// epoch_samples (the training samples of its --dataset tensors: file, without a held-out part),
 /// and with --max-train-epochs max_train_steps (ceil(epochs x samples / (batch x accumulation))). A

@@ -43,7 +43,7 @@ bool looks_like_npy(const std::string& head);
 /// name without ".npy"), each read as map_npy reads one: np.savez stores the arrays as they are,
 /// so a tensor views its bytes in the mapped archive when they are aligned for its type, and is
 /// copied when not (np.savez does not align them). np.savez_compressed deflates them: each is
-/// inflated into memory of its own (its size and CRC-32 checked), when npz_reads_compressed().
+/// inflated into memory of its own (its size and CRC-32 checked), when zlib_available().
 /// ZIP64 archives are read; encrypted or multi-disk archives, other compression methods, entries
 /// that are not .npy files and entries whose ranges leave the file are refused with Error naming
 /// the file and the fault. Stored entries' CRCs are not checked (that would read every byte).
@@ -53,9 +53,6 @@ std::map<std::string, at::Tensor> map_npz(const std::filesystem::path& path,
 
 /// The same for an archive's bytes in memory (copied into the tensors).
 std::map<std::string, at::Tensor> parse_npz(const std::string& bytes, const std::string& where);
-
-/// Whether this build reads np.savez_compressed archives (it was built with zlib).
-bool npz_reads_compressed();
 
 /// True if `head`, a file's first bytes (at least 30 + the first entry's name), starts like an
 /// .npz archive: a zip archive whose first entry is a .npy file.

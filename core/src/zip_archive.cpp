@@ -1,23 +1,25 @@
-// Deflated zip entries (np.savez_compressed), inflated with zlib when this build has it. The
-// entry's declared size is checked before anything is allocated: deflate cannot hold more than
-// 1032 bytes per stored byte, so a crafted size cannot make a small file ask for all the memory.
+// What zlib does for zip archives, when this build has it: deflated entries (np.savez_compressed)
+// inflated, and CRC-32s checked. An entry's declared size is checked before anything is
+// allocated: deflate cannot hold more than 1032 bytes per stored byte, so a crafted size cannot
+// make a small file ask for all the memory.
 #include <algorithm>
 #include <limits>
 #include <new>
 #include <string>
 
+#include "fusebox/core/zip_archive.h"
 #include "fusebox/error.h"
+#include "mapped_file.h"
 #include "zip_reader.h"
 
 #ifdef FUSEBOX_WITH_ZLIB
 #include <zlib.h>
 #endif
 
-namespace fusebox::detail {
+namespace fusebox {
+namespace detail {
 
 #ifdef FUSEBOX_WITH_ZLIB
-
-bool can_inflate() { return true; }
 
 namespace {
 
@@ -55,16 +57,15 @@ bool inflate_raw(const char* in, uint64_t in_size, char* out, uint64_t out_size)
   return whole;
 }
 
-// zlib's CRC-32 of `n` bytes at `p`, in chunks it can count.
-uint32_t crc_of(const char* p, uint64_t n) {
+}  // namespace
+
+uint32_t crc32_of(const char* p, uint64_t n) {
   uLong crc = crc32(0L, Z_NULL, 0);
-  for (uint64_t at = 0; at < n; at += kChunk)
+  for (uint64_t at = 0; at < n; at += kChunk)  // in chunks zlib can count
     crc = crc32(crc, reinterpret_cast<const Bytef*>(p + at),
                 static_cast<uInt>(std::min(n - at, kChunk)));
   return static_cast<uint32_t>(crc);
 }
-
-}  // namespace
 
 std::shared_ptr<char> inflate_entry(const char* p, const ZipEntry& e, const std::string& bad) {
   const std::string name = "'" + e.name + "'";
@@ -83,14 +84,12 @@ std::shared_ptr<char> inflate_entry(const char* p, const ZipEntry& e, const std:
   if (!inflate_raw(p + e.offset, e.size, out.get(), e.content_size))
     throw Error(bad + name + " is damaged: its deflated data do not inflate into the " +
                 std::to_string(e.content_size) + " bytes it declares (a truncated file?)");
-  if (crc_of(out.get(), e.content_size) != e.crc32)
+  if (crc32_of(out.get(), e.content_size) != e.crc32)
     throw Error(bad + name + " is damaged: its content does not match its CRC-32");
   return out;
 }
 
 #else  // built without zlib
-
-bool can_inflate() { return false; }
 
 std::shared_ptr<char> inflate_entry(const char*, const ZipEntry& e, const std::string& bad) {
   throw Error(bad + "'" + e.name +
@@ -98,6 +97,42 @@ std::shared_ptr<char> inflate_entry(const char*, const ZipEntry& e, const std::s
               "headers, e.g. zlib1g-dev, and rebuild; or store the entries uncompressed)");
 }
 
+uint32_t crc32_of(const char*, uint64_t) {
+  throw Error("CRC-32s are not checked: this fusebox was built without zlib");
+}
+
 #endif
 
-}  // namespace fusebox::detail
+}  // namespace detail
+
+bool zlib_available() {
+#ifdef FUSEBOX_WITH_ZLIB
+  return true;
+#else
+  return false;
+#endif
+}
+
+int64_t check_zip_crcs(const std::filesystem::path& path) {
+  const std::string where = path.string();
+  if (!zlib_available())
+    throw Error(where + ": its CRC-32s cannot be checked: this fusebox was built without zlib");
+  const std::shared_ptr<detail::MappedFile> file = detail::MappedFile::open(path, where);
+  const std::string bad = where + ": ";
+  const std::vector<detail::ZipEntry> entries =
+      detail::zip_entries(file->data(), file->size(), bad);
+  for (const detail::ZipEntry& e : entries) {
+    if (!e.stored) {
+      detail::inflate_entry(file->data(), e, bad);  // checks the size and CRC-32 itself
+      continue;
+    }
+    if (e.size != e.content_size)
+      throw Error(bad + "'" + e.name + "' is damaged: it is stored in " + std::to_string(e.size) +
+                  " bytes and declares " + std::to_string(e.content_size));
+    if (detail::crc32_of(file->data() + e.offset, e.size) != e.crc32)
+      throw Error(bad + "'" + e.name + "' is damaged: its content does not match its CRC-32");
+  }
+  return static_cast<int64_t>(entries.size());
+}
+
+}  // namespace fusebox
