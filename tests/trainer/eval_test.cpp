@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/script.h>
 
+#include <fstream>
 #include <map>
 #include <set>
 #include <string>
@@ -225,9 +226,74 @@ def forward(self, x):
       join(transformer(tmp.file("synthetic"), 1), {"--eval-every", "1", "--eval-batches", "0"}));
   EXPECT_EQ(synthetic.code, 2);
   EXPECT_EQ(synthetic.err,
-            "trainer: error: --eval-batches: 0 evaluates every sample of a tensors file once, and "
-            "the evaluation's data are synthetic (give --eval-dataset tensors:PATH, or --dataset "
-            "tensors:PATH with --eval-holdout F; or N >= 1 batches)\n");
+            "trainer: error: --eval-batches: 0 evaluates every sample of a tensors or text file "
+            "once, and the evaluation's data are synthetic (give --eval-dataset tensors:PATH or "
+            "text:PATH, or --dataset tensors:PATH or text:PATH with --eval-holdout F; or N >= 1 "
+            "batches)\n");
+}
+
+// --eval-batches 0 over text: the held-out bytes as windows of --seq-len + 1 that start every
+// --seq-len bytes (each byte after the first predicted once, as a token stream's windows), the
+// last batch smaller. The script's loss is its window batch's mean byte, so the evaluation must be
+// the mean over those windows exactly: 9 windows in batches of 4, 4 and 1 (weighting the batches
+// alike would give another number). Two ranks agree.
+TEST(TrainerEval, EvalBatchesZeroEvaluatesEveryWindowOfAHeldOutTextOnce) {
+  TempDir tmp;
+  torch::jit::Module m("MeanByte");
+  m.register_parameter("w", torch::zeros({1}, torch::kFloat64), false);
+  m.define(R"(
+def forward(self, x):
+    return x.double().mean() + 0.0 * self.w.sum()
+)");
+  m.save(tmp.file("mean.pt"));
+  std::string text;
+  for (int i = 0; i < 101; ++i) text += static_cast<char>('a' + (i * i * 7 + i) % 26);
+  std::ofstream(tmp.file("t.txt"), std::ios::binary) << text;
+  const int64_t held = 50, seq_len = 5, windows = (held - 1) / seq_len;  // floor(101 x 0.5)
+  double sum = 0;
+  for (int64_t k = 0; k < windows; ++k)
+    for (int64_t j = 0; j <= seq_len; ++j)
+      sum += static_cast<unsigned char>(text[101 - held + k * seq_len + j]);
+  const double expected = sum / static_cast<double>(windows * (seq_len + 1));
+  const std::vector<std::string> args = {"--model-script",
+                                         tmp.file("mean.pt"),
+                                         "--dataset",
+                                         "text:" + tmp.file("t.txt"),
+                                         "--seq-len",
+                                         "5",
+                                         "--eval-holdout",
+                                         "0.5",
+                                         "--eval-every",
+                                         "2",
+                                         "--eval-batches",
+                                         "0",
+                                         "--train-batch-size",
+                                         "4",
+                                         "--dtype",
+                                         "float64",
+                                         "--optimizer",
+                                         "sgd",
+                                         "--max-train-steps",
+                                         "2",
+                                         "--log-every",
+                                         "0",
+                                         "--threads",
+                                         "1"};
+  const Result one = run_trainer(join(args, {"--output-dir", tmp.file("one")}));
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_NE(one.out.find("; eval: every window (3 batches) every 2 steps from text " +
+                         tmp.file("t.txt") + " (the last 50 of 101 bytes, held out"),
+            std::string::npos)
+      << one.out;
+  EXPECT_NEAR(eval_losses(tmp.file("one/metrics.jsonl")).at(2), expected, 1e-12);
+  if (fusebox::distributed_available()) {
+    std::string line = "--plugin-dir " + std::string(FUSEBOX_PLUGIN_DIR);
+    for (const std::string& a : args) line += " " + a;
+    const Result two = testing::run_program(
+        line + " --nproc-per-node 2 --output-dir " + tmp.file("two"), tmp.str());
+    ASSERT_EQ(two.code, 0) << two.err;
+    EXPECT_NEAR(eval_losses(tmp.file("two/metrics.jsonl")).at(2), expected, 1e-12);
+  }
 }
 
 // --eval-every-n-epochs: an evaluation after the step in which each epoch ends (8 training

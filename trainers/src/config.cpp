@@ -308,15 +308,16 @@ TrainConfig resolve_config(const Layer& merged, const std::string& run_name) {
                   " both choose the evaluation's data: give one of them");
     c.eval_holdout = *holdout;
   }
-  // --eval-batches 0: one pass over a file's samples, which only tensors data have (text data are
-  // windows at random offsets, synthetic data have no end).
-  if (c.eval_batches == 0 && c.evaluates() && c.eval_dataset != "tensors")
+  // --eval-batches 0: one pass over a file's samples (a text file's: its windows one after
+  // another), which synthetic data, having no end, lack.
+  if (c.eval_batches == 0 && c.evaluates() && c.eval_dataset != "tensors" &&
+      c.eval_dataset != "text")
     throw Error(r.label("eval-batches") +
-                ": 0 evaluates every sample of a tensors file once, and the evaluation's data "
-                "are " +
+                ": 0 evaluates every sample of a tensors or text file once, and the evaluation's "
+                "data are " +
                 c.eval_dataset +
-                " (give --eval-dataset tensors:PATH, or --dataset tensors:PATH with "
-                "--eval-holdout F; or N >= 1 batches)");
+                " (give --eval-dataset tensors:PATH or text:PATH, or --dataset tensors:PATH or "
+                "text:PATH with --eval-holdout F; or N >= 1 batches)");
   // --max-train-epochs: the run's length in passes over the training samples (the steps are
   // worked out from the file by set_steps_from_epochs, when the run is planned).
   c.max_train_epochs = r.get<int64_t>("max-train-epochs");

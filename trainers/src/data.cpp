@@ -134,18 +134,17 @@ class TextData : public DataSource {
               (part.held_out ? "held out for evaluation" : std::to_string(held) + " held out");
   }
   Batch next() override {
-    at::Tensor starts = at::randint(tokens_.size(0) - window_ + 1, {batch_}, gen_, kLong);
-    at::Tensor idx = starts.unsqueeze(1) + at::arange(window_, kLong).unsqueeze(0);
-    at::Tensor seq =
-        tokens_.index_select(0, idx.reshape({-1})).reshape({batch_, window_}).to(kLong);
-    Batch b;
-    if (!split_) {
-      b.input = seq;
-    } else {
-      b.input = seq.slice(1, 0, window_ - 1), b.target = seq.slice(1, 1, window_);
-    }
-    return b;
+    return batch_at(at::randint(tokens_.size(0) - window_ + 1, {batch_}, gen_, kLong));
   }
+  // --eval-batches 0: the windows that start every window - 1 bytes, as a token stream's, so
+  // that every byte after the first is predicted exactly once (the bytes after the last whole
+  // window are left out); batch i holds windows [i * batch, (i + 1) * batch).
+  int64_t pass_batches() const override { return (pass_windows() + batch_ - 1) / batch_; }
+  Batch pass_batch(int64_t i) override {
+    const int64_t first = i * batch_, n = std::min(batch_, pass_windows() - first);
+    return batch_at(at::arange(first, first + n, kLong) * (window_ - 1));
+  }
+  int64_t pass_windows() const { return (tokens_.size(0) - 1) / (window_ - 1); }
   std::string describe() const override {
     return "text " + path_ + " (" +
            (part_.empty() ? std::to_string(tokens_.size(0)) + " bytes" : part_) + ")";
@@ -157,6 +156,19 @@ class TextData : public DataSource {
   bool split_;
   std::string part_;  ///< with a held-out part: which bytes these are
   at::Generator& generator() override { return gen_; }
+  // The windows of bytes that start at `starts`.
+  Batch batch_at(const at::Tensor& starts) const {
+    const int64_t n = starts.size(0);
+    at::Tensor idx = starts.unsqueeze(1) + at::arange(window_, kLong).unsqueeze(0);
+    at::Tensor seq = tokens_.index_select(0, idx.reshape({-1})).reshape({n, window_}).to(kLong);
+    Batch b;
+    if (!split_) {
+      b.input = seq;
+    } else {
+      b.input = seq.slice(1, 0, window_ - 1), b.target = seq.slice(1, 1, window_);
+    }
+    return b;
+  }
   at::Generator gen_;
   at::Tensor tokens_;
 };

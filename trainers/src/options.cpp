@@ -280,7 +280,8 @@ std::vector<OptionSpec> build_specs() {
            0);
   at_least(add(opt("eval-batches", Kind::Int, int64_t{4},
                    "batches of --train-batch-size samples in each evaluation (the same ones each "
-                   "time; 0: every sample of a tensors: evaluation set once)",
+                   "time; 0: every sample of a tensors: evaluation set once, every window of "
+                   "a text: one)",
                    "N")),
            0);
   add(opt("eval-dataset", Kind::Text, {},

@@ -412,7 +412,8 @@ std::string data_text(const TrainConfig& c, const DataSource& data, const EvalDa
   if (!eval_data) return text;
   const int64_t batches = c.eval_batches == 0 ? eval_data->pass_batches() : c.eval_batches;
   const std::string counted = std::to_string(batches) + (batches == 1 ? " batch" : " batches");
-  return text + "; eval: " + (c.eval_batches == 0 ? "every sample (" + counted + ")" : counted) +
+  const std::string every = c.eval_dataset == "text" ? "every window (" : "every sample (";
+  return text + "; eval: " + (c.eval_batches == 0 ? every + counted + ")" : counted) +
          eval_schedule(c) +
          (c.eval_dataset == "text" || c.eval_dataset == "tensors" ? " from " + eval_data->describe()
                                                                   : "");
