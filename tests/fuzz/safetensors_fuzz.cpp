@@ -1,5 +1,7 @@
 // libFuzzer target for the tensor file readers: any bytes read as a safetensors, .npy or .npz file
-// must give a fusebox::Error or tensors, never a crash or an allocation beyond the input's size.
+// (np.savez_compressed's deflated entries too) must give a fusebox::Error or tensors, never a crash
+// or an allocation beyond what the input's size can hold (for a deflated entry, 1032 bytes per
+// byte).
 // Each reader gets two views per input: the raw file, and the input as the header of a file with
 // 64 bytes of data behind it (so the header's decoder is reached without the fuzzer having to
 // find a consistent size prefix first).
