@@ -1,10 +1,12 @@
 // The growth of the process's peak resident memory while something runs, from /proc/self/status:
 // for tests that show an operation holds no copy of a large file (a copy raises the peak by its
-// size).
+// size). And whether a file is mapped, for tests that show tensors view a file.
 #pragma once
 
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <optional>
 #include <string>
 
@@ -36,6 +38,13 @@ inline std::optional<long long> peak_growth_kib(const std::function<void()>& f) 
   f();
   if (!measures || before < 0) return std::nullopt;
   return status_kib("VmHWM") - before;
+}
+
+/// Whether the file at `path` is mapped into this process now (/proc/self/maps names it).
+inline bool is_mapped(const std::filesystem::path& path) {
+  std::ifstream maps("/proc/self/maps");
+  const std::string all((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
+  return all.find(std::filesystem::canonical(path).string()) != std::string::npos;
 }
 
 }  // namespace fusebox::testing

@@ -36,15 +36,25 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr char kMagic[12] = {'F', 'U', 'S', 'E', 'B', 'O', 'X', '-', 'C', 'K', 'P', 'T'};
-constexpr uint32_t kFormatVersion = 1;
+// Version 2 (fusebox 0.7) aligns each tensor's data to 64 bytes of the file, so that a loaded
+// checkpoint's tensors view the mapped file; version 1 files are still read (copied).
+constexpr uint32_t kFormatVersion = 2;
 constexpr size_t kHeaderSize = sizeof(kMagic) + 4 + 8 + 8;
+constexpr uint64_t kTensorAlignment = 64;
+
+// The zero bytes that bring a tensor's data starting `at` bytes into the file to the alignment.
+uint64_t padding_at(uint64_t at) {
+  return (kTensorAlignment - at % kTensorAlignment) % kTensorAlignment;
+}
 // The checksum's FNV-1a starts from the standard offset basis short of its last digit (an early
 // slip). It is as good a start as any, and every checkpoint written so far was summed from it, so
 // it stays: changing it would make every existing checkpoint read as corrupt.
 constexpr uint64_t kChecksumBasis = 1469598103934665603ULL;
 
-// The checkpoint in `bytes`, checked; `where` names it in errors.
-Checkpoint parse_payload(std::string_view bytes, const std::string& where);
+// The checkpoint in `bytes`, checked; `where` names it in errors. With `keep` (the mapped file
+// holding `bytes`), aligned tensors view the bytes and hold `keep`; without, they are copied.
+Checkpoint parse_payload(std::string_view bytes, const std::string& where,
+                         const std::shared_ptr<void>& keep);
 
 template <class T>
 void put(std::string& out, T v) {
@@ -77,6 +87,8 @@ struct Reader {
   std::string_view data;
   size_t pos;
   const std::string& where;
+  uint32_t version;
+  std::shared_ptr<void> keep;  ///< the mapped file, for tensors that view it
 
   [[noreturn]] void fail(const std::string& why) const {
     throw Error(where + " cannot be decoded (" + why + " at byte " + std::to_string(pos) +
@@ -129,10 +141,23 @@ struct Reader {
     const uint64_t nbytes = get<uint64_t>();
     if (nbytes != numel * c10::elementSize(type))
       fail("tensor byte count does not match its shape");
+    if (version >= 2 && nbytes > 0) {
+      const uint64_t pad = padding_at(pos);
+      need(pad);
+      pos += pad;
+    }
     need(nbytes);
-    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(type));
-    if (nbytes > 0) std::memcpy(t.data_ptr(), data.data() + pos, nbytes);  // empty: no storage
+    const char* at = data.data() + pos;
     pos += nbytes;
+    const auto options = at::TensorOptions().dtype(type);
+    // A view of the mapped file: restoring copies it where it belongs (parameters, the
+    // optimizers' own state), so resuming holds no copy of the checkpoint beside them, only
+    // the file's pages, which the system may drop again.
+    if (keep && nbytes > 0 && reinterpret_cast<uintptr_t>(at) % kTensorAlignment == 0)
+      return at::from_blob(
+          const_cast<char*>(at), sizes, [keep = keep](void*) {}, options);
+    at::Tensor t = at::empty(sizes, options);
+    if (nbytes > 0) std::memcpy(t.data_ptr(), at, nbytes);  // empty: no storage
     return t;
   }
 };
@@ -277,6 +302,10 @@ class PayloadWriter {
       buffer_.append(static_cast<const char*>(p), n);
   }
   void skip(uint64_t n) { size_ += n; }  // counting: bytes not looked at
+  void pad(uint64_t n) {
+    static const char zeros[kTensorAlignment] = {};
+    append(zeros, n);
+  }
   void flush() {
     if (!buffer_.empty()) sink_(buffer_.data(), buffer_.size());
     buffer_.clear();
@@ -310,6 +339,7 @@ void encode_payload(const Checkpoint& ckpt, PayloadWriter& out) {
     const uint64_t nbytes = static_cast<uint64_t>(t0.numel()) * t0.element_size();
     out.put<uint64_t>(nbytes);
     if (nbytes == 0) return;
+    out.pad(padding_at(kHeaderSize + out.size()));
     if (out.counting()) return out.skip(nbytes);
     const at::Tensor t = t0.detach().to(at::kCPU).contiguous();
     out.append(t.data_ptr(), nbytes);
@@ -369,29 +399,32 @@ std::string encode_checkpoint(const Checkpoint& ckpt) {
 }
 
 Checkpoint load_checkpoint(const fs::path& path) {
-  // Mapped, not read: its tensors are copied out of the file's pages, which the system may drop
-  // again, so loading holds the checkpoint's tensors and no second copy of the file.
+  // Mapped, not read: its tensors view the file's pages (copy-on-write), which the system may
+  // drop again, so loading allocates no memory for them (files of format version 1, whose tensors
+  // are not aligned, are copied out).
   const std::string what = "checkpoint " + path.string();
   std::error_code ec;
   if (!fs::exists(path, ec)) throw Error(what + does_not_exist(ec));
   if (fs::is_directory(path, ec)) throw Error(what + " is a directory");
   const std::shared_ptr<detail::MappedFile> file = detail::MappedFile::open(path, what);
-  return parse_payload(std::string_view(file->data(), file->size()), what);
+  return parse_payload(std::string_view(file->data(), file->size()), what, file);
 }
 
 Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where) {
-  return parse_payload(bytes, where);
+  return parse_payload(bytes, where, nullptr);
 }
 
 namespace {
 
-Checkpoint parse_payload(std::string_view bytes, const std::string& where) {
+Checkpoint parse_payload(std::string_view bytes, const std::string& where,
+                         const std::shared_ptr<void>& keep) {
   if (bytes.size() < kHeaderSize || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
     throw Error(where + " is not a fusebox checkpoint (bad header); pass a checkpoint-*.fbx file");
   const uint32_t version = get<uint32_t>(bytes, sizeof(kMagic));
-  if (version != kFormatVersion)
-    throw Error(where + " has format version " + std::to_string(version) + "; this fusebox reads " +
-                std::to_string(kFormatVersion));
+  if (version < 1 || version > kFormatVersion)
+    throw Error(where + " has format version " + std::to_string(version) +
+                "; this fusebox reads 1 to " + std::to_string(kFormatVersion) +
+                " (a checkpoint of a newer fusebox?)");
   const uint64_t size = get<uint64_t>(bytes, sizeof(kMagic) + 4);
   const uint64_t sum = get<uint64_t>(bytes, sizeof(kMagic) + 12);
   if (bytes.size() - kHeaderSize != size)
@@ -401,7 +434,7 @@ Checkpoint parse_payload(std::string_view bytes, const std::string& where) {
   if (fnv1a(bytes.data() + kHeaderSize, size, kChecksumBasis) != sum)
     throw Error(where + " is corrupt (checksum mismatch); use an earlier checkpoint");
   Checkpoint out;
-  Reader in{bytes, kHeaderSize, where};
+  Reader in{bytes, kHeaderSize, where, version, keep};
   const uint64_t entries = in.get<uint64_t>();
   for (uint64_t e = 0; e < entries; ++e) {
     const uint8_t section = in.get<uint8_t>();

@@ -14,6 +14,7 @@
 #include "fusebox/core/checkpoint.h"
 #include "fusebox/core/hyperparam_validation.h"
 #include "fusebox/core/lr_scheduler.h"
+#include "fusebox/core/memory_tracker.h"
 #include "fusebox/core/plugin_registry.h"
 #include "fusebox/core/step_mode.h"
 #include "plugin_args.h"
@@ -21,6 +22,7 @@
 
 using namespace fusebox;
 using fusebox::testing::error_of;
+using fusebox::testing::is_mapped;
 using fusebox::testing::peak_growth_kib;
 using fusebox::testing::ScratchDir;
 using fusebox::testing::TinyLm;
@@ -437,6 +439,43 @@ TEST(Checkpoint, AStateTensorNamedStepIsRefusedAtTheFirstStep) {
 
 // Saving streams the checkpoint into its file: the process's peak memory does not grow by the
 // checkpoint's size (an encoded copy of it), and the file loads back exactly.
+// Loading maps the file and its tensors view it (format version 2 aligns their data): no tensor
+// memory is allocated for them, a write in place stays in this process, and the file is unmapped
+// with the last tensor. The file written by fusebox 0.4.0 (version 1) is still read, copied.
+TEST(Checkpoint, LoadingAllocatesNoMemoryForItsTensors) {
+  const ScratchDir scratch("ckpt-map");
+  Checkpoint c;
+  c.model["w"] = at::rand({1024, 1024});                                // 4 MiB
+  c.model["b"] = at::rand({3});                                         // unaligned sizes between
+  c.optimizer["w/exp_avg"] = at::rand({1024, 1024}).to(at::kBFloat16);  // 2 MiB
+  c.optimizer["w/step"] = at::tensor(3.0, at::kDouble);
+  c.buffers["empty"] = at::empty({0, 4});
+  c.meta["odd"] = "x";  // odd lengths before the next tensors
+  const fs::path file = scratch.path() / checkpoint_name(1);
+  save_checkpoint(c, file);
+
+  memory::install_cpu_tracking();
+  const int64_t base = memory::current_bytes();
+  memory::reset_peak();
+  Checkpoint back = load_checkpoint(file);
+  EXPECT_LT(memory::peak_bytes() - base, 64 * 1024);  // copied, it would be 6 MiB
+  for (const auto& [name, t] : c.model) EXPECT_TRUE(at::equal(back.model.at(name), t)) << name;
+  for (const auto& [name, t] : c.optimizer)
+    EXPECT_TRUE(at::equal(back.optimizer.at(name), t)) << name;
+  EXPECT_EQ(back.buffers.at("empty").sizes(), (std::vector<int64_t>{0, 4}));
+  EXPECT_TRUE(is_mapped(file));
+  back.model.at("w").fill_(7.0);  // copy-on-write: the file keeps its values
+  EXPECT_TRUE(at::equal(load_checkpoint(file).model.at("w"), c.model.at("w")));
+  back = Checkpoint();
+  EXPECT_FALSE(is_mapped(file));
+
+  // Version 1 (fusebox 0.6 and earlier): unaligned tensors, copied out.
+  const fs::path old = FUSEBOX_TEST_DATA "/checkpoint-fusebox-0.4.0.fbx";
+  const Checkpoint v1 = load_checkpoint(old);
+  EXPECT_FALSE(v1.model.empty());
+  EXPECT_FALSE(is_mapped(old));
+}
+
 TEST(Checkpoint, SavingHoldsNoCopyOfTheCheckpoint) {
   const ScratchDir scratch("ckpt-stream");
   Checkpoint c;

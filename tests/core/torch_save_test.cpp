@@ -15,18 +15,12 @@
 
 using namespace fusebox;
 using fusebox::testing::error_of;
+using fusebox::testing::is_mapped;
 using fusebox::testing::peak_growth_kib;
 using fusebox::testing::ScratchDir;
 namespace fs = std::filesystem;
 
 namespace {
-
-// Whether the file at `path` is mapped into this process now.
-bool is_mapped(const fs::path& path) {
-  std::ifstream maps("/proc/self/maps");
-  const std::string all((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
-  return all.find(fs::canonical(path).string()) != std::string::npos;
-}
 
 std::string bytes_of(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

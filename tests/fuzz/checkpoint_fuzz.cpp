@@ -1,6 +1,7 @@
 // libFuzzer target: any bytes given as a checkpoint file must give a fusebox::Error or a
-// checkpoint, never a crash. Two views per input: the raw file, and the input as a payload behind
-// a valid header (so the decoder behind the checksum is exercised too).
+// checkpoint, never a crash. Three views per input: the raw file, and the input as a payload
+// behind a valid header of format version 1 and of version 2 (tensor data aligned to 64 bytes),
+// so that the decoder behind the checksum is exercised in both layouts.
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -24,13 +25,14 @@ void try_parse(const std::string& bytes) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string raw(reinterpret_cast<const char*>(data), size);
   try_parse(raw);
-  std::string framed("FUSEBOX-CKPT", 12);
-  const uint32_t version = 1;
   const uint64_t n = size, sum = fnv1a(raw.data(), raw.size());
-  framed.append(reinterpret_cast<const char*>(&version), 4);
-  framed.append(reinterpret_cast<const char*>(&n), 8);
-  framed.append(reinterpret_cast<const char*>(&sum), 8);
-  framed += raw;
-  try_parse(framed);
+  for (const uint32_t version : {1u, 2u}) {
+    std::string framed("FUSEBOX-CKPT", 12);
+    framed.append(reinterpret_cast<const char*>(&version), 4);
+    framed.append(reinterpret_cast<const char*>(&n), 8);
+    framed.append(reinterpret_cast<const char*>(&sum), 8);
+    framed += raw;
+    try_parse(framed);
+  }
   return 0;
 }

@@ -43,7 +43,10 @@ void save_checkpoint(const Checkpoint& ckpt, const std::filesystem::path& path);
 /// The bytes save_checkpoint() writes (e.g. to send a checkpoint's parts between ranks).
 std::string encode_checkpoint(const Checkpoint& ckpt);
 /// Reads a checkpoint; a missing, truncated, corrupt or foreign file throws one-line Error. The
-/// file is mapped while its tensors are copied out, so no second copy of it is held in memory.
+/// file is mapped (copy-on-write) and the tensors view it, so loading allocates no memory for
+/// them: restoring copies them where they belong, and the file's pages are the system's to drop.
+/// The file stays mapped while a tensor of it lives (it must not be shortened meanwhile; replacing
+/// or deleting it is fine). Tensors of format version 1 files (fusebox 0.6 and earlier) are copied.
 Checkpoint load_checkpoint(const std::filesystem::path& path);
 /// Decodes the bytes of a checkpoint file; `where` names it in errors (load_checkpoint's core).
 Checkpoint parse_checkpoint(const std::string& bytes, const std::string& where);
