@@ -604,9 +604,31 @@ void save_model_weights(const std::vector<std::pair<std::string, at::Tensor>>& p
                         const fs::path& path) {
   // What torch::jit::pickle_save writes (a zip archive: the pickle of the dict, one record per
   // storage), streamed into the file instead of built in memory, so saving holds no copy of the
-  // archive. CPU tensors are written from their own memory.
+  // archive. Contiguous CPU tensors are pickled and written from their own memory. Any other
+  // (on a GPU, or not contiguous) is pickled as a placeholder: a CPU tensor of its dtype and
+  // sizes, contiguous, over a storage without memory (the pickle reads only their metadata, and
+  // says "cpu", so that Python's torch.load needs no map_location); its record is then written
+  // from the tensor brought to the CPU and made contiguous alone, so that saving a model on a GPU
+  // holds one tensor's host copy at a time, not the whole model's.
   c10::Dict<std::string, at::Tensor> d;
-  for (const auto& [k, v] : params) d.insert(k, v.detach().to(at::kCPU).contiguous());
+  std::map<const void*, at::Tensor> placeholders;  // a placeholder's storage -> its tensor
+  for (const auto& [k, v0] : params) {
+    const at::Tensor v = v0.detach();
+    if (v.device().is_cpu() && v.is_contiguous()) {
+      d.insert(k, v);
+      continue;
+    }
+    const uint64_t nbytes = static_cast<uint64_t>(v.numel()) * v.element_size();
+    at::Storage empty(at::Storage::use_byte_size_t(), static_cast<int64_t>(nbytes),
+                      at::DataPtr(nullptr, at::Device(at::kCPU)), nullptr, false);
+    std::vector<int64_t> strides(v.dim(), 1);  // row-major
+    for (int64_t i = v.dim() - 2; i >= 0; --i)
+      strides[i] = strides[i + 1] * std::max<int64_t>(v.size(i + 1), 1);
+    at::Tensor placeholder = at::empty({0}, at::TensorOptions().dtype(v.scalar_type()))
+                                 .set_(empty, 0, v.sizes(), strides);
+    placeholders[placeholder.storage().unsafeGetStorageImpl()] = v;
+    d.insert(k, placeholder);
+  }
   std::vector<char> pickle;
   torch::jit::Pickler pickler(
       [&](const char* p, size_t n) { pickle.insert(pickle.end(), p, p + n); });
@@ -624,9 +646,16 @@ void save_model_weights(const std::vector<std::pair<std::string, at::Tensor>>& p
       });
       const std::vector<at::Tensor>& storages = pickler.tensorData();
       for (size_t i = 0; i < storages.size(); ++i) {
-        const torch::jit::WriteableTensorData data =
-            torch::jit::getWriteableTensorData(storages[i]);
-        writer.writeRecord("data/" + std::to_string(i), data.data(), data.sizeInBytes());
+        const std::string record = "data/" + std::to_string(i);
+        const auto source = placeholders.find(storages[i].storage().unsafeGetStorageImpl());
+        if (source == placeholders.end()) {
+          const torch::jit::WriteableTensorData data =
+              torch::jit::getWriteableTensorData(storages[i]);
+          writer.writeRecord(record, data.data(), data.sizeInBytes());
+          continue;
+        }
+        const at::Tensor host = source->second.to(at::kCPU).contiguous();
+        writer.writeRecord(record, host.data_ptr(), host.numel() * host.element_size());
       }
       writer.writeRecord("data.pkl", pickle.data(), pickle.size());
       writer.writeEndOfFile();

@@ -114,3 +114,27 @@ TEST(TorchSave, SavingHoldsNoCopyOfTheWeights) {
   EXPECT_TRUE(at::equal(back.at("w"), w));
   EXPECT_TRUE(at::equal(back.at("b"), at::arange(3.0)));
 }
+
+// A tensor that is not a contiguous CPU tensor (one on a GPU, or a transposed view, as here) is
+// brought to the CPU and made contiguous alone, as its record is written: saving four 32 MiB
+// views holds one such copy at a time, not all four (which would raise the peak by 128 MiB). The
+// pickle says "cpu" and the values read back (Python's torch.load reads the same file:
+// tests/python/torch_interop.py).
+TEST(TorchSave, ATensorToCopyIsCopiedAloneAsItIsWritten) {
+  const ScratchDir scratch("torch-save-views");
+  const fs::path file = scratch.path() / "w.pt";
+  std::vector<std::pair<std::string, at::Tensor>> weights;
+  for (int i = 0; i < 4; ++i)
+    weights.emplace_back("t" + std::to_string(i), at::rand({2048, 4096}).t());  // 32 MiB each
+  weights.emplace_back("empty", at::empty({0, 3}).t());
+  weights.emplace_back("bf16", at::rand({3, 5}).to(at::kBFloat16).t());
+  const std::optional<long long> grew = peak_growth_kib([&] { save_model_weights(weights, file); });
+  EXPECT_LT(grew.value_or(0), 48 * 1024) << "KiB";
+  const auto back = load_model_weights(file);
+  ASSERT_EQ(back.size(), weights.size());
+  for (const auto& [name, t] : weights) {
+    EXPECT_TRUE(at::equal(back.at(name), t)) << name;
+    EXPECT_TRUE(back.at(name).is_contiguous()) << name;
+    EXPECT_TRUE(back.at(name).device().is_cpu()) << name;
+  }
+}
