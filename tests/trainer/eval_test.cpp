@@ -53,6 +53,39 @@ std::vector<std::string> transformer(const std::string& out, int steps) {
           "--output-dir",      out};
 }
 
+// A TorchScript model whose loss is `loss`, a mean over its batch `x` ("x.mean()"), saved in
+// `tmp`: its evaluation is then a mean over what the evaluation's batches held.
+std::string mean_script(const TempDir& tmp, const std::string& loss) {
+  torch::jit::Module m("Mean");
+  m.register_parameter("w", torch::zeros({1}, torch::kFloat64), false);
+  m.define("def forward(self, x):\n    return " + loss + " + 0.0 * self.w.sum()\n");
+  m.save(tmp.file("mean.pt"));
+  return tmp.file("mean.pt");
+}
+
+// Two float64 sgd steps of `script` on `dataset` (`extra` options added), half of it held out
+// and evaluated at step 2 with --eval-batches 0, in batches of 4.
+std::vector<std::string> eval_pass_run(const std::string& script, const std::string& dataset,
+                                       const std::vector<std::string>& extra = {}) {
+  return join({"--model-script", script,    "--dataset",      dataset, "--eval-holdout",     "0.5",
+               "--eval-every",   "2",       "--eval-batches", "0",     "--train-batch-size", "4",
+               "--dtype",        "float64", "--optimizer",    "sgd",   "--max-train-steps",  "2",
+               "--log-every",    "0",       "--threads",      "1"},
+              extra);
+}
+
+// Step 2's evaluation by `ranks` processes started by the program itself (only it starts ranks).
+double eval_with_ranks(const std::vector<std::string>& args, const std::string& ranks,
+                       const TempDir& tmp) {
+  std::string line = "--plugin-dir " + std::string(FUSEBOX_PLUGIN_DIR);
+  for (const std::string& a : args) line += " " + a;
+  const std::string out = tmp.file("ranks" + ranks);
+  const Result many =
+      testing::run_program(line + " --nproc-per-node " + ranks + " --output-dir " + out, tmp.str());
+  EXPECT_EQ(many.code, 0) << many.err;
+  return eval_losses(out + "/metrics.jsonl").at(2);
+}
+
 }  // namespace
 
 TEST(TrainerEval, EvaluatesEveryNStepsAndLastAndChangesNoTrainingInAnyMode) {
@@ -168,39 +201,12 @@ def forward(self, x):
 // holds 3 of 11 samples). Two ranks and four (one of which has no batch of the pass) agree.
 TEST(TrainerEval, EvalBatchesZeroEvaluatesEveryHeldOutSampleOnce) {
   TempDir tmp;
-  torch::jit::Module m("Mean");
-  m.register_parameter("w", torch::zeros({1}, torch::kFloat64), false);
-  m.define(R"(
-def forward(self, x):
-    return x.mean() + 0.0 * self.w.sum()
-)");
-  m.save(tmp.file("mean.pt"));
   torch::manual_seed(3);
   const at::Tensor x = torch::randn({23, 3}, torch::kFloat64) + 1.0;
   save_safetensors({{"x", x}}, tmp.file("x.safetensors"));
   const double expected = x.narrow(0, 12, 11).mean().item<double>();  // floor(23 x 0.5) held out
-  const std::vector<std::string> args = {"--model-script",
-                                         tmp.file("mean.pt"),
-                                         "--dataset",
-                                         "tensors:" + tmp.file("x.safetensors"),
-                                         "--eval-holdout",
-                                         "0.5",
-                                         "--eval-every",
-                                         "2",
-                                         "--eval-batches",
-                                         "0",
-                                         "--train-batch-size",
-                                         "4",
-                                         "--dtype",
-                                         "float64",
-                                         "--optimizer",
-                                         "sgd",
-                                         "--max-train-steps",
-                                         "2",
-                                         "--log-every",
-                                         "0",
-                                         "--threads",
-                                         "1"};
+  const std::vector<std::string> args =
+      eval_pass_run(mean_script(tmp, "x.mean()"), "tensors:" + tmp.file("x.safetensors"));
   const Result one = run_trainer(join(args, {"--output-dir", tmp.file("one")}));
   ASSERT_EQ(one.code, 0) << one.err;
   EXPECT_NE(one.out.find("; eval: every sample (3 batches) every 2 steps from tensors "),
@@ -210,15 +216,8 @@ def forward(self, x):
   ASSERT_EQ(evals.size(), 1u);
   EXPECT_NEAR(evals.at(2), expected, 1e-12);
   if (fusebox::distributed_available()) {
-    std::string line = "--plugin-dir " + std::string(FUSEBOX_PLUGIN_DIR);
-    for (const std::string& a : args) line += " " + a;
-    for (const std::string ranks : {"2", "4"}) {  // the program itself: only it starts ranks
-      const std::string out = tmp.file("ranks" + ranks);
-      const Result many = testing::run_program(
-          line + " --nproc-per-node " + ranks + " --output-dir " + out, tmp.str());
-      ASSERT_EQ(many.code, 0) << many.err;
-      EXPECT_NEAR(eval_losses(out + "/metrics.jsonl").at(2), expected, 1e-12) << ranks;
-    }
+    for (const std::string ranks : {"2", "4"})
+      EXPECT_NEAR(eval_with_ranks(args, ranks, tmp), expected, 1e-12) << ranks;
   }
 
   // Data without a pass over samples: refused before training, saying what to give.
@@ -239,13 +238,6 @@ def forward(self, x):
 // alike would give another number). Two ranks agree.
 TEST(TrainerEval, EvalBatchesZeroEvaluatesEveryWindowOfAHeldOutTextOnce) {
   TempDir tmp;
-  torch::jit::Module m("MeanByte");
-  m.register_parameter("w", torch::zeros({1}, torch::kFloat64), false);
-  m.define(R"(
-def forward(self, x):
-    return x.double().mean() + 0.0 * self.w.sum()
-)");
-  m.save(tmp.file("mean.pt"));
   std::string text;
   for (int i = 0; i < 101; ++i) text += static_cast<char>('a' + (i * i * 7 + i) % 26);
   std::ofstream(tmp.file("t.txt"), std::ios::binary) << text;
@@ -255,30 +247,8 @@ def forward(self, x):
     for (int64_t j = 0; j <= seq_len; ++j)
       sum += static_cast<unsigned char>(text[101 - held + k * seq_len + j]);
   const double expected = sum / static_cast<double>(windows * (seq_len + 1));
-  const std::vector<std::string> args = {"--model-script",
-                                         tmp.file("mean.pt"),
-                                         "--dataset",
-                                         "text:" + tmp.file("t.txt"),
-                                         "--seq-len",
-                                         "5",
-                                         "--eval-holdout",
-                                         "0.5",
-                                         "--eval-every",
-                                         "2",
-                                         "--eval-batches",
-                                         "0",
-                                         "--train-batch-size",
-                                         "4",
-                                         "--dtype",
-                                         "float64",
-                                         "--optimizer",
-                                         "sgd",
-                                         "--max-train-steps",
-                                         "2",
-                                         "--log-every",
-                                         "0",
-                                         "--threads",
-                                         "1"};
+  const std::vector<std::string> args = eval_pass_run(
+      mean_script(tmp, "x.double().mean()"), "text:" + tmp.file("t.txt"), {"--seq-len", "5"});
   const Result one = run_trainer(join(args, {"--output-dir", tmp.file("one")}));
   ASSERT_EQ(one.code, 0) << one.err;
   EXPECT_NE(one.out.find("; eval: every window (3 batches) every 2 steps from text " +
@@ -287,12 +257,7 @@ def forward(self, x):
       << one.out;
   EXPECT_NEAR(eval_losses(tmp.file("one/metrics.jsonl")).at(2), expected, 1e-12);
   if (fusebox::distributed_available()) {
-    std::string line = "--plugin-dir " + std::string(FUSEBOX_PLUGIN_DIR);
-    for (const std::string& a : args) line += " " + a;
-    const Result two = testing::run_program(
-        line + " --nproc-per-node 2 --output-dir " + tmp.file("two"), tmp.str());
-    ASSERT_EQ(two.code, 0) << two.err;
-    EXPECT_NEAR(eval_losses(tmp.file("two/metrics.jsonl")).at(2), expected, 1e-12);
+    EXPECT_NEAR(eval_with_ranks(args, "2", tmp), expected, 1e-12);
   }
 }
 
