@@ -621,11 +621,8 @@ void save_model_weights(const std::vector<std::pair<std::string, at::Tensor>>& p
     const uint64_t nbytes = static_cast<uint64_t>(v.numel()) * v.element_size();
     at::Storage empty(at::Storage::use_byte_size_t(), static_cast<int64_t>(nbytes),
                       at::DataPtr(nullptr, at::Device(at::kCPU)), nullptr, false);
-    std::vector<int64_t> strides(v.dim(), 1);  // row-major
-    for (int64_t i = v.dim() - 2; i >= 0; --i)
-      strides[i] = strides[i + 1] * std::max<int64_t>(v.size(i + 1), 1);
-    at::Tensor placeholder = at::empty({0}, at::TensorOptions().dtype(v.scalar_type()))
-                                 .set_(empty, 0, v.sizes(), strides);
+    at::Tensor placeholder =  // contiguous: set_ without strides gives row-major ones
+        at::empty({0}, at::TensorOptions().dtype(v.scalar_type())).set_(empty, 0, v.sizes());
     placeholders[placeholder.storage().unsafeGetStorageImpl()] = v;
     d.insert(k, placeholder);
   }

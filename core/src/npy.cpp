@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fusebox/core/safetensors.h"
+#include "fusebox/core/zip_archive.h"
 #include "fusebox/error.h"
 #include "mapped_file.h"
 #include "zip_reader.h"
@@ -254,7 +255,7 @@ std::map<std::string, at::Tensor> npz_at(const char* p, uint64_t total, const st
     std::shared_ptr<void> content = keep;
     const char* bytes = p + e.offset;
     uint64_t size = e.size;
-    if (!e.stored) {
+    if (!e.stored()) {
       std::shared_ptr<char> inflated = detail::inflate_entry(p, e, bad);
       bytes = inflated.get(), size = e.content_size, content = std::move(inflated);
     }
@@ -276,7 +277,7 @@ bool looks_like_npy(const std::string& head) {
 
 bool looks_like_npz(const std::string& head) {
   // A zip archive whose first entry's name ends in .npy (np.savez writes nothing else).
-  if (head.size() < 30 || le(head.data(), 4) != 0x04034b50) return false;
+  if (head.size() < 30 || !looks_like_zip(head)) return false;
   const uint64_t name_len = le(head.data() + 26, 2);
   return name_len > 4 && head.size() >= 30 + name_len &&
          head.compare(30 + name_len - 4, 4, ".npy") == 0;

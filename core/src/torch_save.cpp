@@ -70,7 +70,7 @@ std::optional<std::map<std::string, at::Tensor>> map_torch_archive(
   std::unordered_map<std::string, const ZipEntry*> records;
   for (const ZipEntry& e : entries) {
     if (e.name.compare(0, folder.size(), folder) != 0) continue;
-    if (!e.stored) return std::nullopt;  // a compressed record cannot be viewed
+    if (!e.stored()) return std::nullopt;  // a compressed record cannot be viewed
     records.emplace(e.name.substr(folder.size()), &e);
   }
   auto text_of = [&](const std::string& name) -> std::optional<std::string> {

@@ -19,6 +19,16 @@
 namespace fusebox {
 namespace detail {
 
+namespace {
+
+// Refuses the content of `e` (`n` bytes at `p`) when it does not match the entry's CRC-32.
+void check_crc(const char* p, uint64_t n, const ZipEntry& e, const std::string& bad) {
+  if (crc32_of(p, n) != e.crc32)
+    throw Error(bad + "'" + e.name + "' is damaged: its content does not match its CRC-32");
+}
+
+}  // namespace
+
 #ifdef FUSEBOX_WITH_ZLIB
 
 namespace {
@@ -84,8 +94,7 @@ std::shared_ptr<char> inflate_entry(const char* p, const ZipEntry& e, const std:
   if (!inflate_raw(p + e.offset, e.size, out.get(), e.content_size))
     throw Error(bad + name + " is damaged: its deflated data do not inflate into the " +
                 std::to_string(e.content_size) + " bytes it declares (a truncated file?)");
-  if (crc32_of(out.get(), e.content_size) != e.crc32)
-    throw Error(bad + name + " is damaged: its content does not match its CRC-32");
+  check_crc(out.get(), e.content_size, e, bad);
   return out;
 }
 
@@ -105,6 +114,8 @@ uint32_t crc32_of(const char*, uint64_t) {
 
 }  // namespace detail
 
+bool looks_like_zip(const std::string& head) { return head.rfind("PK\x03\x04", 0) == 0; }
+
 bool zlib_available() {
 #ifdef FUSEBOX_WITH_ZLIB
   return true;
@@ -122,15 +133,14 @@ int64_t check_zip_crcs(const std::filesystem::path& path) {
   const std::vector<detail::ZipEntry> entries =
       detail::zip_entries(file->data(), file->size(), bad);
   for (const detail::ZipEntry& e : entries) {
-    if (!e.stored) {
+    if (!e.stored()) {
       detail::inflate_entry(file->data(), e, bad);  // checks the size and CRC-32 itself
       continue;
     }
     if (e.size != e.content_size)
       throw Error(bad + "'" + e.name + "' is damaged: it is stored in " + std::to_string(e.size) +
                   " bytes and declares " + std::to_string(e.content_size));
-    if (detail::crc32_of(file->data() + e.offset, e.size) != e.crc32)
-      throw Error(bad + "'" + e.name + "' is damaged: its content does not match its CRC-32");
+    detail::check_crc(file->data() + e.offset, e.size, e, bad);
   }
   return static_cast<int64_t>(entries.size());
 }

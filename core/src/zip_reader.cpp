@@ -32,7 +32,6 @@ class ZipReader {
       need(at + 46, name_len + extra_len + comment_len, "a central directory entry");
       ZipEntry e;
       e.name.assign(p_ + at + 46, name_len);
-      e.stored = method == 0;
       e.method = static_cast<uint16_t>(method);
       e.crc32 = static_cast<uint32_t>(le(at + 16, 4));
       if (flags & 1) fail("'" + e.name + "' is encrypted");

@@ -14,11 +14,12 @@ namespace fusebox::detail {
 struct ZipEntry {
   std::string name;
   uint64_t offset = 0;        ///< of the entry's data, from the archive's start
-  uint64_t size = 0;          ///< of the data as stored (compressed, if `stored` is false)
-  bool stored = true;         ///< false: compressed (its bytes are not the entry's content)
+  uint64_t size = 0;          ///< of the data as stored (compressed, unless stored())
   uint16_t method = 0;        ///< 0 stored, 8 deflated; others are neither
   uint64_t content_size = 0;  ///< of the content, once inflated (the central directory's word)
   uint32_t crc32 = 0;         ///< of the content
+  /// Whether its bytes are its content as they are (else they are compressed).
+  bool stored() const { return method == 0; }
 };
 
 /// The entries of the archive in the `total` bytes at `p`, in the central directory's order.

@@ -72,11 +72,10 @@ std::map<std::string, at::Tensor> read_tensors(const std::string& where, const s
   }
   // A headerless .bin file of token ids (numpy's tofile, nanoGPT's train.bin); a zip archive is a
   // torch.save'd file (pytorch_model.bin).
-  if (std::filesystem::path(path).extension() == ".bin" && head.rfind("PK\x03\x04", 0) != 0)
+  if (std::filesystem::path(path).extension() == ".bin" && !looks_like_zip(head))
     return one_array([&](at::ScalarType* w) { return map_raw_array(path, c.token_dtype, w); });
   // torch.save writes a zip archive.
-  if (!looks_like_safetensors(head) && !is_safetensors_path(path) &&
-      head.rfind("PK\x03\x04", 0) != 0)
+  if (!looks_like_safetensors(head) && !is_safetensors_path(path) && !looks_like_zip(head))
     throw Error(where + " is neither a safetensors, a NumPy nor a torch.save'd file: " + kGive);
   return read_tensor_file(path, head,
                           where +
@@ -445,7 +444,7 @@ ArchiveCheck check_archive_crcs(const TrainConfig& c) {
     if (kind != "tensors") return;
     const std::string where = label + " tensors:" + path;
     for (const std::string& file : data_files(where, path)) {
-      if (!done.insert(file).second || read_file_head(file, 4) != "PK\x03\x04") continue;
+      if (!done.insert(file).second || !looks_like_zip(read_file_head(file, 4))) continue;
       if (!zlib_available()) {
         ++out.unchecked_archives;
         continue;

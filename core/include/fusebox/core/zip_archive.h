@@ -5,8 +5,12 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <string>
 
 namespace fusebox {
+
+/// True if `head`, a file's first bytes, starts like a zip archive (a local file header).
+bool looks_like_zip(const std::string& head);
 
 /// Whether this build of fusebox has zlib: it reads np.savez_compressed archives (map_npz) and
 /// checks CRC-32s (check_zip_crcs). Without it both are refused in one line.
