@@ -1,10 +1,13 @@
 // A fresh folder under the system's temp folder, removed with everything in it when the test ends,
-// so that the suite leaves nothing behind in /tmp, whichever way a test finishes.
+// so that the suite leaves nothing behind in /tmp, whichever way a test finishes. And the bytes of
+// a file, for tests that compare or alter what was written.
 #pragma once
 
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <system_error>
@@ -43,5 +46,11 @@ class ScratchDir {
  private:
   std::filesystem::path path_;
 };
+
+/// The bytes of the file at `path` ("" when it cannot be read).
+inline std::string file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
 
 }  // namespace fusebox::testing

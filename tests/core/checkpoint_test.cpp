@@ -22,6 +22,7 @@
 
 using namespace fusebox;
 using fusebox::testing::error_of;
+using fusebox::testing::file_bytes;
 using fusebox::testing::is_mapped;
 using fusebox::testing::peak_growth_kib;
 using fusebox::testing::ScratchDir;
@@ -492,7 +493,5 @@ TEST(Checkpoint, SavingHoldsNoCopyOfTheCheckpoint) {
   EXPECT_EQ(back.meta.at("note"), "streamed");
   EXPECT_EQ(back.counters.at("step"), 7);
   // encode_checkpoint() gives the bytes save_checkpoint() wrote.
-  std::ifstream in(file, std::ios::binary);
-  const std::string written((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_TRUE(written == encode_checkpoint(c));
+  EXPECT_TRUE(file_bytes(file) == encode_checkpoint(c));
 }

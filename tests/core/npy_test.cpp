@@ -16,6 +16,7 @@
 
 using namespace fusebox;
 using fusebox::testing::error_of;
+using fusebox::testing::file_bytes;
 using fusebox::testing::ScratchDir;
 
 namespace {
@@ -71,11 +72,6 @@ std::string zip_of(const std::vector<std::pair<std::string, std::string>>& files
   put(out, 0x06054b50, 4), put(out, 0, 4), put(out, files.size(), 2), put(out, files.size(), 2);
   put(out, dir.size(), 4), put(out, zip64 ? 0xFFFFFFFF : dir_at, 4), put(out, 0, 2);
   return out;
-}
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 template <class T>
@@ -209,8 +205,7 @@ TEST(Npy, EveryBadFileIsOneErrorNamingTheFault) {
 // array, a uint16 one) reads by name, mapped or parsed alike.
 TEST(Npz, ReadsWhatNumpySavezWrites) {
   const std::string path = FUSEBOX_TEST_DATA "/numpy-savez.npz";
-  std::ifstream in(path, std::ios::binary);
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string bytes = file_bytes(path);
   EXPECT_TRUE(looks_like_npz(bytes.substr(0, 64)));
   EXPECT_FALSE(looks_like_npz(zip_of({{"archive/data.pkl", "x"}}, false)));  // torch.save's zip
   for (const auto& arrays : {map_npz(path), parse_npz(bytes, "mem")}) {

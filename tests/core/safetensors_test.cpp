@@ -19,6 +19,7 @@
 
 using namespace fusebox;
 using fusebox::testing::error_of;
+using fusebox::testing::file_bytes;
 using fusebox::testing::ScratchDir;
 
 namespace {
@@ -424,7 +425,5 @@ TEST(Safetensors, SavingHoldsNoCopyOfTheFile) {
                                                                    {"b", at::arange(3.0)}};
   const std::optional<long long> grew = peak_growth_kib([&] { save_safetensors(tensors, path); });
   EXPECT_LT(grew.value_or(0), 16 * 1024) << "KiB";
-  std::ifstream in(path, std::ios::binary);
-  const std::string written((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_TRUE(written == encode_safetensors(tensors));
+  EXPECT_TRUE(file_bytes(path) == encode_safetensors(tensors));
 }

@@ -15,19 +15,11 @@
 
 using namespace fusebox;
 using fusebox::testing::error_of;
+using fusebox::testing::file_bytes;
 using fusebox::testing::is_mapped;
 using fusebox::testing::peak_growth_kib;
 using fusebox::testing::ScratchDir;
 namespace fs = std::filesystem;
-
-namespace {
-
-std::string bytes_of(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-}  // namespace
 
 TEST(TorchSave, AFileIsMappedAndItsTensorsViewItWithoutCopies) {
   const ScratchDir scratch("torch-save-map");
@@ -65,7 +57,7 @@ TEST(TorchSave, AStorageOrTensorReachingPastItsRecordIsRefused) {
   save_model_weights({{"w", at::tensor({1.0f, 2.0f, 3.0f, 4.0f})}}, file);
   // The pickle's storage length and size, 4 (BININT1 4), made 8: the zip stays valid, the
   // record holds 16 bytes and the pickle asks for 32.
-  std::string bytes = bytes_of(file);
+  std::string bytes = file_bytes(file);
   const size_t begin = bytes.find("data.pkl"), end = bytes.find("PK", begin);
   ASSERT_NE(begin, std::string::npos);
   int patched = 0;

@@ -751,9 +751,7 @@ TEST(TrainerTensorData, CheckDataReadsArchivesAgainstTheirCrcs) {
   EXPECT_EQ(std::stoi(m[1]), 2 * entries);
 
   // 7.0f (input[3][1]) becomes 8.0f: finite, so only the CRC-32 tells.
-  std::ifstream in(file, std::ios::binary);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  in.close();
+  std::string bytes = ::fusebox::testing::file_bytes(file);
   const float seven = 7, eight = 8;
   const size_t at = bytes.find(std::string(reinterpret_cast<const char*>(&seven), 4));
   ASSERT_NE(at, std::string::npos);
