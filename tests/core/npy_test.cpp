@@ -306,11 +306,9 @@ TEST(Npz, EveryDamagedCompressedEntryIsOneError) {
     return out;
   };
   const std::string bad = "z.npz: not a valid .npz file: 'input.npy' ";
-  const uint64_t crc = static_cast<uint32_t>(
-      uint8_t(good[entry + 16]) | uint8_t(good[entry + 17]) << 8 | uint8_t(good[entry + 18]) << 16 |
-      uint64_t(uint8_t(good[entry + 19])) << 24);
-  EXPECT_EQ(error(with(entry + 16, crc ^ 1, 4)),
-            bad + "is damaged: its content does not match its CRC-32");
+  std::string crc = good;
+  crc[entry + 16] = static_cast<char>(crc[entry + 16] ^ 1);  // the CRC-32's lowest bit
+  EXPECT_EQ(error(crc), bad + "is damaged: its content does not match its CRC-32");
   std::string flipped = good;
   flipped[data + 20] = static_cast<char>(flipped[data + 20] ^ 0x55);
   EXPECT_EQ(error(flipped).rfind(bad + "is damaged: ", 0), 0u) << error(flipped);
